@@ -1,0 +1,38 @@
+# The two commands in the README: `make serve` and `make test`. Each creates the virtual
+# environment on first use, so a fresh clone needs nothing else.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+ARGS   ?= --pretrained none
+PYTEST_ARGS ?=
+
+.PHONY: serve test test-slow check lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/clipserve $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check clipserve bench tests
+	$(BIN)/ruff format --check clipserve bench tests
+	$(BIN)/mypy
+
+check: lint test
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.served_vs_offline
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,3 @@
+from clipserve.cli import main
+
+raise SystemExit(main())

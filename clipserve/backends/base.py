@@ -1,0 +1,80 @@
+"""The executor interface: what the batcher needs from a backend, and nothing more."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from clipserve.preprocess import PreprocessSpec
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    backend: str
+    device: str
+    precision: str
+    input_size: tuple[int, int]  # (height, width)
+    embed_dim: int
+
+
+class Executor(Protocol):
+    """Runs the image tower on one device.
+
+    `run` takes uint8 NHWC at the model's input size and normalises on its device, or
+    already-normalised float32/float16 NCHW, and returns float32 (N, embed_dim) embeddings,
+    not L2-normalised. It is called from one worker thread at a time. It raises
+    `ExecutorFatal` when its device can no longer serve; any other exception fails one batch.
+    """
+
+    info: ExecutorInfo
+
+    def warmup(self, batch_sizes: Sequence[int]) -> None: ...
+
+    def run(self, batch: np.ndarray) -> np.ndarray: ...
+
+    def memory(self) -> int | None: ...
+
+    def close(self) -> None: ...
+
+
+def check_batch(batch: np.ndarray, spec: PreprocessSpec) -> None:
+    """Reject a batch of the wrong layout: a programming error upstream, not a client error."""
+    h, w = spec.size
+    if batch.dtype == np.uint8:
+        expected: tuple[int, ...] = (h, w, 3)
+        got = batch.shape[1:]
+    elif batch.dtype in (np.float32, np.float16):
+        expected, got = (3, h, w), batch.shape[1:]
+    else:
+        raise TypeError(f"unsupported batch dtype {batch.dtype}")
+    if batch.ndim != 4 or got != expected or batch.shape[0] < 1:
+        raise ValueError(f"batch of shape {batch.shape} does not fit input {expected}")
+
+
+def normalisation_affine(spec: PreprocessSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Scale and bias that map uint8 pixels to normalised floats in one multiply-add."""
+    std = np.asarray(spec.std, dtype=np.float64)
+    mean = np.asarray(spec.mean, dtype=np.float64)
+    scale = (1.0 / (255.0 * std)).astype(np.float32)
+    bias = (-mean / std).astype(np.float32)
+    return scale, bias
+
+
+def normalise_numpy(batch: np.ndarray, spec: PreprocessSpec) -> np.ndarray:
+    """uint8 NHWC → float32 NCHW on the host, for CPU executors and reference computations."""
+    scale, bias = normalisation_affine(spec)
+    x = batch.astype(np.float32) * scale + bias
+    return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+
+
+def warmup_sizes(max_batch_size: int) -> list[int]:
+    """Powers of two up to the largest batch, and the largest itself."""
+    sizes, n = [], 1
+    while n < max_batch_size:
+        sizes.append(n)
+        n *= 2
+    sizes.append(max_batch_size)
+    return sizes

@@ -1,0 +1,123 @@
+"""A fake executor registered like the real ones: deterministic embeddings, no model, no device.
+
+It lets end-to-end tests exercise the batcher, the HTTP edge and failure handling without a
+GPU. Options (`--backend-option KEY=VALUE`):
+  latency_ms       sleep per batch (simulates device time)
+  per_item_ms      extra sleep per image
+  fail_pixel       raise for a batch holding an image whose top-left red value equals this
+  fatal_pixel      as fail_pixel, but raise ExecutorFatal (the device is lost)
+Each `sim:N` device in `--gpus` gets its own instance, so multi-worker dispatch runs anywhere.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from clipserve.backends.base import ExecutorInfo, check_batch, normalisation_affine
+from clipserve.errors import ExecutorFatal, StartupError
+
+if TYPE_CHECKING:
+    from clipserve.config import ServerConfig
+    from clipserve.model import LoadedModel
+    from clipserve.preprocess import PreprocessSpec
+
+_GRID = 4  # features are per-channel means over a 4x4 grid of cells
+
+
+def available(device: str) -> bool:
+    return False  # never picked by --backend auto
+
+
+class FakeExecutor:
+    def __init__(
+        self,
+        spec: PreprocessSpec,
+        embed_dim: int,
+        device: str = "sim:0",
+        *,
+        latency_ms: float = 0.0,
+        per_item_ms: float = 0.0,
+        fail_pixel: int | None = None,
+        fatal_pixel: int | None = None,
+    ) -> None:
+        self.spec = spec
+        self.latency_s = latency_ms / 1000
+        self.per_item_s = per_item_ms / 1000
+        self.fail_pixel = fail_pixel
+        self.fatal_pixel = fatal_pixel
+        self.info = ExecutorInfo("fake", device, "fp32", spec.size, embed_dim)
+        rng = np.random.default_rng(0)
+        self._proj = rng.standard_normal((3 * _GRID * _GRID, embed_dim)).astype(np.float32)
+        self._lock = threading.Lock()
+        self.batches: list[int] = []  # sizes of the batches run, in order (tests read this)
+        self.closed = False
+
+    @property
+    def items_run(self) -> int:
+        with self._lock:
+            return sum(self.batches)
+
+    def features(self, batch: np.ndarray) -> np.ndarray:
+        """Normalised float NCHW → (N, 48) cell means; uint8 NHWC is normalised first."""
+        if batch.dtype == np.uint8:
+            scale, bias = normalisation_affine(self.spec)
+            batch = (batch.astype(np.float32) * scale + bias).transpose(0, 3, 1, 2)
+        n, c, h, w = batch.shape
+        cells = batch[:, :, : h - h % _GRID, : w - w % _GRID].astype(np.float32)
+        cells = cells.reshape(n, c, _GRID, h // _GRID, _GRID, w // _GRID).mean(axis=(3, 5))
+        return cells.reshape(n, -1)
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        check_batch(batch, self.spec)
+        if batch.dtype == np.uint8:
+            marks = batch[:, 0, 0, 0].tolist()
+            if self.fatal_pixel is not None and self.fatal_pixel in marks:
+                raise ExecutorFatal(f"simulated device loss on {self.info.device}")
+            if self.fail_pixel is not None and self.fail_pixel in marks:
+                raise RuntimeError(f"simulated executor failure on {self.info.device}")
+        time.sleep(self.latency_s + self.per_item_s * len(batch))
+        with self._lock:
+            self.batches.append(len(batch))
+        return self.features(batch) @ self._proj  # type: ignore[no-any-return]
+
+    def warmup(self, batch_sizes: Sequence[int]) -> None:
+        h, w = self.spec.size
+        for n in batch_sizes:
+            self.features(np.zeros((n, h, w, 3), dtype=np.uint8))
+
+    def memory(self) -> int | None:
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _number(options: dict[str, str], key: str) -> float | None:
+    if key not in options:
+        return None
+    try:
+        return float(options[key])
+    except ValueError:
+        raise StartupError(f"--backend-option {key}: expected a number") from None
+
+
+def create(model: LoadedModel, config: ServerConfig, device: str) -> FakeExecutor:
+    options = config.backend.options()
+    unknown = set(options) - {"latency_ms", "per_item_ms", "fail_pixel", "fatal_pixel"}
+    if unknown:
+        raise StartupError(f"--backend-option: the fake backend has no option {sorted(unknown)}")
+    fail, fatal = _number(options, "fail_pixel"), _number(options, "fatal_pixel")
+    return FakeExecutor(
+        model.preprocess,
+        model.embed_dim,
+        device,
+        latency_ms=_number(options, "latency_ms") or 0.0,
+        per_item_ms=_number(options, "per_item_ms") or 0.0,
+        fail_pixel=None if fail is None else int(fail),
+        fatal_pixel=None if fatal is None else int(fatal),
+    )

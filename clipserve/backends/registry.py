@@ -1,0 +1,107 @@
+"""Backends by name. Each module is imported only when chosen, so optional dependencies stay optional."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from clipserve.backends.base import Executor
+from clipserve.errors import StartupError
+
+if TYPE_CHECKING:
+    from clipserve.config import ServerConfig
+    from clipserve.model import LoadedModel
+
+log = logging.getLogger(__name__)
+
+Factory = Callable[["LoadedModel", "ServerConfig", str], Executor]
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    module: str  # defines `create(model, config, device) -> Executor` and `available(device)`
+    extra: str | None  # the pip extra that provides its dependencies
+    gpu_only: bool = False
+    simulated: bool = False  # runs on simulated devices; needs no hardware
+
+
+BACKENDS: dict[str, BackendEntry] = {
+    "torch": BackendEntry("clipserve.backends.torch_eager", None),
+    "fake": BackendEntry("clipserve.backends.fake", None, simulated=True),
+}
+
+# `--backend auto` takes the first of these that is registered and available on the device.
+AUTO_ORDER = ("ort-trt", "cuda-graphs", "ort-cuda", "ort-cpu", "torch")
+
+
+def _module(name: str) -> object:
+    entry = BACKENDS[name]
+    try:
+        return importlib.import_module(entry.module)
+    except ImportError as e:
+        hint = f"pip install 'clipserve[{entry.extra}]'" if entry.extra else "reinstall clipserve"
+        raise StartupError(f"--backend {name}: missing dependency ({e}); {hint}") from None
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_devices(gpus: str, backend: str) -> list[str]:
+    """Device names for `--gpus`: 'cpu', 'cuda:N', or 'sim:N' for simulated backends."""
+    spec = gpus.replace(" ", "")
+    simulated = backend in BACKENDS and BACKENDS[backend].simulated
+    if spec == "cpu":
+        return ["cpu"]
+    if spec == "auto":
+        return ["cuda:0"] if not simulated and cuda_device_count() else ["cpu"]
+    ids = [int(i) for i in spec.split(",")]
+    if len(set(ids)) != len(ids):
+        raise StartupError(f"--gpus {gpus}: an id is listed twice")
+    if simulated:
+        return [f"sim:{i}" for i in ids]
+    visible = cuda_device_count()
+    missing = [i for i in ids if i >= visible]
+    if missing:
+        raise StartupError(
+            f"--gpus {gpus}: no CUDA device {missing[0]} ({visible} visible); "
+            "pass --gpus cpu to serve on the CPU"
+        )
+    return [f"cuda:{i}" for i in ids]
+
+
+def resolve_backend(name: str, device: str) -> str:
+    if name != "auto":
+        if name not in BACKENDS:
+            choices = ", ".join(["auto", *sorted(BACKENDS)])
+            raise StartupError(f"--backend: unknown backend {name!r}; choose one of {choices}")
+        return name
+    for candidate in AUTO_ORDER:
+        if candidate not in BACKENDS:
+            continue
+        entry = BACKENDS[candidate]
+        if entry.gpu_only and not device.startswith("cuda"):
+            continue
+        try:
+            module = _module(candidate)
+        except StartupError:
+            continue
+        available: Callable[[str], bool] = getattr(module, "available")  # noqa: B009
+        if available(device):
+            log.info("--backend auto picked %s for %s", candidate, device)
+            return candidate
+    raise StartupError(f"--backend auto: no backend can run on {device}")
+
+
+def create_executor(name: str, model: LoadedModel, config: ServerConfig, device: str) -> Executor:
+    module = _module(name)
+    entry = BACKENDS[name]
+    if entry.gpu_only and not device.startswith("cuda"):
+        raise StartupError(f"--backend {name} needs a CUDA device; --gpus resolved to {device}")
+    factory: Factory = getattr(module, "create")  # noqa: B009
+    return factory(model, config, device)

@@ -1,0 +1,137 @@
+"""Work items, admission control and the queue batches are formed from.
+
+Everything here runs on the event loop; nothing blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from clipserve.errors import Overloaded
+
+
+class Admission:
+    """Counts images admitted and not yet computing, so decode backlog and queue stay bounded."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+
+    def admit(self, n: int) -> Ticket:
+        if self.used + n > self.capacity:
+            raise Overloaded(
+                f"server queue is full ({self.used} of {self.capacity} images waiting); retry later"
+            )
+        self.used += n
+        return Ticket(self, n)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's share of the admission budget; released image by image as they start."""
+
+    admission: Admission
+    held: int
+
+    def release(self, n: int = 1) -> None:
+        n = min(n, self.held)
+        self.held -= n
+        self.admission.used -= n
+
+    def release_all(self) -> None:
+        self.release(self.held)
+
+
+@dataclass(eq=False)
+class WorkItem:
+    array: np.ndarray  # uint8 HWC, or normalised float CHW
+    normalize: bool
+    request_id: str
+    future: asyncio.Future[np.ndarray]
+    ticket: Ticket
+    enqueued_at: float  # time.perf_counter()
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    device: str = field(default="")
+
+    @property
+    def kind(self) -> tuple[str, tuple[int, ...]]:
+        """Items of one kind can be stacked into one batch."""
+        return (self.array.dtype.str, self.array.shape)
+
+
+class BatchQueue:
+    """FIFO of work items shared by every device worker of one model."""
+
+    def __init__(self) -> None:
+        self._items: deque[WorkItem] = deque()
+        self._cond = asyncio.Condition()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    async def put(self, items: Iterable[WorkItem]) -> None:
+        async with self._cond:
+            self._items.extend(items)
+            self._cond.notify_all()
+
+    def discard(self, items: Iterable[WorkItem]) -> None:
+        """Drop items that have not started (their request timed out, failed or went away)."""
+        gone = {id(item) for item in items}
+        self._items = deque(item for item in self._items if id(item) not in gone)
+
+    def fail_all(self, error: Exception) -> None:
+        while self._items:
+            item = self._items.popleft()
+            if not item.future.done():
+                item.future.set_exception(error)
+
+    def _prune(self) -> None:
+        while self._items and self._items[0].future.done():
+            self._items.popleft()
+
+    def _live(self) -> int:
+        return sum(1 for item in self._items if not item.future.done())
+
+    def _pop(self, max_n: int) -> list[WorkItem]:
+        """Up to max_n live items of the oldest item's kind, in arrival order."""
+        self._prune()
+        if not self._items:
+            return []
+        kind = self._items[0].kind
+        batch: list[WorkItem] = []
+        rest: deque[WorkItem] = deque()
+        for item in self._items:
+            if item.future.done():
+                continue
+            if len(batch) < max_n and item.kind == kind:
+                batch.append(item)
+            else:
+                rest.append(item)
+        self._items = rest
+        return batch
+
+    async def take(self, max_n: int, max_delay_s: float) -> list[WorkItem]:
+        """Wait for work; with a delay, wait up to that long after the oldest item for max_n."""
+        async with self._cond:
+            while True:
+                self._prune()
+                if not self._items:
+                    await self._cond.wait()
+                    continue
+                if max_delay_s > 0 and self._live() < max_n:
+                    wait_s = self._items[0].enqueued_at + max_delay_s - time.perf_counter()
+                    try:
+                        async with asyncio.timeout(max(wait_s, 0.0)):
+                            await self._cond.wait_for(lambda: self._live() >= max_n)
+                    except TimeoutError:
+                        pass
+                batch = self._pop(max_n)
+                if batch:
+                    return batch

@@ -1,0 +1,85 @@
+"""`clipserve`: serve (the default). Flags and CLIPSERVE_* variables map onto ServerConfig."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from clipserve import __version__
+from clipserve.config import ServerConfig, iter_options, load_config
+from clipserve.errors import StartupError
+
+log = logging.getLogger("clipserve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="clipserve",
+        description="Serve CLIP image embeddings over HTTP with dynamic batching. Every flag "
+        "can also be set as CLIPSERVE_<FLAG> (e.g. CLIPSERVE_MAX_BATCH_SIZE); the flag wins.",
+    )
+    parser.add_argument("--version", action="version", version=f"clipserve {__version__}")
+    for option in iter_options():
+        repeatable = option.type == tuple[str, ...]
+        shown = "none" if option.default is None else option.default
+        parser.add_argument(
+            option.flag,
+            dest=option.name,
+            default=None,
+            action="append" if repeatable else "store",
+            choices=option.choices,
+            metavar=None if option.choices else option.name.split("_")[-1].upper(),
+            help=f"{option.help} [env {option.env}; default {shown or '-'}]",
+        )
+    return parser
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if level == "trace" else getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def serve(config: ServerConfig) -> int:
+    import uvicorn
+
+    from clipserve.app import create_app
+    from clipserve.runtime import build_runtime
+
+    # Built before uvicorn starts so a failure is one line and a non-zero exit, not a traceback
+    # from inside the lifespan protocol.
+    runtime = build_runtime(config)
+    app = create_app(config, runtime=runtime)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.http.host,
+            port=config.http.port,
+            log_level=config.http.log_level,
+            timeout_graceful_shutdown=int(config.http.drain_timeout_s) or None,
+            access_log=False,
+            server_header=False,
+        )
+    )
+    server.run()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    try:
+        config = load_config(args)
+        configure_logging(config.http.log_level)
+        return serve(config)
+    except StartupError as e:
+        print(f"clipserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

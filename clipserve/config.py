@@ -1,0 +1,225 @@
+"""Configuration: frozen dataclasses, filled from CLI flags, then `CLIPSERVE_*` variables, then defaults.
+
+Each field's metadata holds its help text; the flag is `--field-name` and the variable
+`CLIPSERVE_FIELD_NAME`, so the CLI, the environment and the README table share one source.
+The environment is read only by `load_config`, never at import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from clipserve.errors import ConfigError
+
+ENV_PREFIX = "CLIPSERVE_"
+PRECISIONS = ("fp32", "fp16")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _opt("ViT-B-32", "open_clip model name, or a path to an open_clip JSON config")
+    pretrained: str = _opt(
+        "laion2b_s34b_b79k", "open_clip pretrained tag; 'none' = random weights (testing only)"
+    )
+    checkpoint: str | None = _opt(None, "local weights (.pt state dict or .safetensors)")
+    cache_dir: str = _opt(
+        str(Path.home() / ".cache" / "clipserve"), "where exported models and engines are kept"
+    )
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    backend: str = _opt("auto", "executor: auto, torch, fake, ...  (auto logs its choice)")
+    gpus: str = _opt("auto", "'auto' (first visible GPU, else CPU), 'cpu', or ids such as 0,1")
+    precision: str | None = _opt(
+        None, "fp32 or fp16; default: the backend's own", choices=PRECISIONS
+    )
+    threads: int = _opt(0, "intra-op threads for CPU inference; 0 = one per core")
+    backend_option: tuple[str, ...] = _opt(
+        (), "KEY=VALUE passed to the executor (repeatable; env: comma-separated)"
+    )
+
+    def options(self) -> dict[str, str]:
+        return dict(item.split("=", 1) for item in self.backend_option)
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    max_batch_size: int = _opt(32, "most images in one forward pass")
+    max_queue_size: int = _opt(256, "most images admitted and not yet computing; more get 503")
+    max_queue_delay_ms: float = _opt(
+        0.0, "how long an idle worker may wait after the oldest image for a fuller batch"
+    )
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    request_timeout_s: float = _opt(30.0, "whole-request deadline, receiving the body included")
+    max_body_bytes: int = _opt(32 * 1024 * 1024, "largest request body")
+    max_image_pixels: int = _opt(40_000_000, "largest decoded image (width x height)")
+    max_items_per_request: int = _opt(64, "most images in one request")
+    decode_workers: int = _opt(0, "threads decoding images; 0 = one per core")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(8000, "port to listen on")
+    log_level: str = _opt("info", "log level", choices=LOG_LEVELS)
+    drain_timeout_s: float = _opt(30.0, "on SIGTERM, how long in-flight requests may finish")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+SECTIONS: dict[str, type[Any]] = {
+    "model": ModelConfig,
+    "backend": BackendConfig,
+    "batching": BatchingConfig,
+    "limits": LimitsConfig,
+    "http": HttpConfig,
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    section: str
+    name: str
+    type: Any
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+def iter_options() -> Iterator[Option]:
+    for section, cls in SECTIONS.items():
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            yield Option(
+                section, f.name, hints[f.name], f.default, f.metadata["help"], f.metadata["choices"]
+            )
+
+
+def _coerce(option: Option, raw: str | list[str]) -> Any:
+    kind = option.type
+    if kind == tuple[str, ...]:
+        items = raw if isinstance(raw, list) else [s for s in raw.split(",") if s.strip()]
+        return tuple(s.strip() for s in items)
+    assert isinstance(raw, str)
+    if kind in (str | None,) and raw.strip().lower() in ("", "none"):
+        return None
+    try:
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+    except ValueError:
+        raise ConfigError(
+            f"{option.flag} (or {option.env}): expected {kind.__name__}, got {raw!r}"
+        ) from None
+    return raw
+
+
+def load_config(
+    flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> ServerConfig:
+    """Build the config: a flag given wins over `CLIPSERVE_*`, which wins over the default.
+
+    `flags` maps field names to raw strings (or lists for repeatable flags); absent or None
+    means "not given".
+    """
+    flags = flags or {}
+    environ = os.environ if environ is None else environ
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for option in iter_options():
+        raw = flags.get(option.name)
+        if raw is None:
+            raw = environ.get(option.env)
+        if raw is not None:
+            sections[option.section][option.name] = _coerce(option, raw)
+    return ServerConfig(**{name: SECTIONS[name](**values) for name, values in sections.items()})
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{_flag(name)}: {message}")
+
+
+def validate(config: ServerConfig) -> None:
+    """Reject values that cannot work, naming the flag. Called when a ServerConfig is built."""
+    b, lim, h, be = config.batching, config.limits, config.http, config.backend
+    _require(b.max_batch_size >= 1, "max_batch_size", "must be at least 1")
+    _require(
+        b.max_queue_size >= b.max_batch_size,
+        "max_queue_size",
+        f"must be at least --max-batch-size ({b.max_batch_size})",
+    )
+    _require(b.max_queue_delay_ms >= 0, "max_queue_delay_ms", "must not be negative")
+    _require(lim.request_timeout_s > 0, "request_timeout_s", "must be positive")
+    _require(lim.max_body_bytes >= 1024, "max_body_bytes", "must be at least 1024")
+    _require(lim.max_image_pixels >= 1, "max_image_pixels", "must be positive")
+    _require(lim.max_items_per_request >= 1, "max_items_per_request", "must be at least 1")
+    _require(
+        lim.max_items_per_request <= b.max_queue_size,
+        "max_items_per_request",
+        f"must not exceed --max-queue-size ({b.max_queue_size}): such a request could never run",
+    )
+    _require(lim.decode_workers >= 0, "decode_workers", "must not be negative (0 = auto)")
+    _require(be.threads >= 0, "threads", "must not be negative (0 = auto)")
+    _require(
+        be.precision is None or be.precision in PRECISIONS,
+        "precision",
+        f"must be one of {', '.join(PRECISIONS)}",
+    )
+    _require(
+        re.fullmatch(r"auto|cpu|\d+(,\d+)*", be.gpus.replace(" ", "")) is not None,
+        "gpus",
+        f"expected 'auto', 'cpu' or a list of ids such as 0,1; got {be.gpus!r}",
+    )
+    for item in be.backend_option:
+        _require("=" in item, "backend_option", f"expected KEY=VALUE, got {item!r}")
+    _require(0 <= h.port <= 65535, "port", "must be in 0..65535")
+    _require(h.log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
+    _require(h.drain_timeout_s >= 0, "drain_timeout_s", "must not be negative")
+
+
+def resolve_workers(requested: int) -> int:
+    """0 means one per core this process may use."""
+    if requested:
+        return requested
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,93 @@
+"""Domain errors. They carry no HTTP types: `app.py` maps each class to a status code once."""
+
+from __future__ import annotations
+
+
+class ClipserveError(Exception):
+    """Base of every error a client may see; `code` is the stable machine-readable name."""
+
+    code = "internal"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidImage(ClipserveError):
+    code = "invalid_image"
+
+
+class InvalidTensor(ClipserveError):
+    code = "invalid_tensor"
+
+
+class InvalidParameter(ClipserveError):
+    code = "invalid_parameter"
+
+
+class PayloadTooLarge(ClipserveError):
+    code = "payload_too_large"
+
+
+class ImageTooLarge(ClipserveError):
+    code = "image_too_large"
+
+
+class TooManyItems(ClipserveError):
+    code = "too_many_items"
+
+
+class UnsupportedMediaType(ClipserveError):
+    code = "unsupported_media_type"
+
+
+class NotAcceptable(ClipserveError):
+    code = "not_acceptable"
+
+
+class Overloaded(ClipserveError):
+    """The bounded queue is full; the client should retry after `retry_after_s`."""
+
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NotReady(ClipserveError):
+    code = "not_ready"
+
+
+class RequestTimeout(ClipserveError):
+    code = "timeout"
+
+
+class ExecutorFailed(ClipserveError):
+    """The executor raised while running a batch; the detail is logged, never sent."""
+
+    code = "internal"
+
+
+class ExecutorFatal(Exception):
+    """Raised by an executor whose device can no longer serve (device lost, context corrupt).
+
+    The worker that sees it fails its batch and stops; `/readyz` then reports not ready.
+    """
+
+
+class StartupError(Exception):
+    """Configuration or loading failed; the CLI prints the message as one line and exits 2."""
+
+
+class ConfigError(StartupError):
+    pass
+
+
+def with_item_index(error: ClipserveError, index: int) -> ClipserveError:
+    """The same error, its message prefixed with the position of the bad item in a list."""
+    located = type(error).__new__(type(error))
+    located.__dict__.update(error.__dict__)
+    located.message = f"item {index}: {error.message}"
+    located.args = (located.message,)
+    return located

@@ -1,0 +1,96 @@
+"""Prometheus metrics, owned by the app (a fresh registry per app, so tests never share state)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+STAGES = ("receive", "decode", "queue", "compute", "encode")
+_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class _ScrapeTimeGauges(Collector):
+    """Values read when Prometheus scrapes, not kept up to date on the hot path."""
+
+    def __init__(
+        self,
+        queue_depth: Callable[[], int],
+        device_memory: Callable[[], Mapping[str, int]],
+        workers_alive: Callable[[], Mapping[str, bool]],
+    ) -> None:
+        self.queue_depth = queue_depth
+        self.device_memory = device_memory
+        self.workers_alive = workers_alive
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            "clipserve_queue_depth", "Images queued, not yet computing", value=self.queue_depth()
+        )
+        memory = GaugeMetricFamily(
+            "clipserve_device_memory_bytes", "Device memory held by the executor", labels=["device"]
+        )
+        for device, used in self.device_memory().items():
+            memory.add_metric([device], used)
+        yield memory
+        alive = GaugeMetricFamily(
+            "clipserve_worker_alive", "1 while the device worker serves", labels=["device"]
+        )
+        for device, ok in self.workers_alive().items():
+            alive.add_metric([device], 1.0 if ok else 0.0)
+        yield alive
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "clipserve_requests", "HTTP requests", ["route", "status"], registry=r
+        )
+        self.request_duration = Histogram(
+            "clipserve_request_duration_seconds", "Whole request time", ["route"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.stage_duration = Histogram(
+            "clipserve_stage_duration_seconds", "Time per request stage", ["stage", "protocol"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.batch_size = Histogram(
+            "clipserve_batch_size", "Images per forward pass", buckets=_BATCH_BUCKETS, registry=r
+        )
+        self.batch_duration = Histogram(
+            "clipserve_batch_duration_seconds", "Forward pass time per batch", ["device"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.items = Counter("clipserve_items", "Images embedded", registry=r)
+        self.batch_failures = Counter(
+            "clipserve_batch_failures", "Batches failed by the executor", ["device"], registry=r
+        )
+        self.request_bytes = Counter(
+            "clipserve_request_bytes", "Request body bytes", ["protocol"], registry=r
+        )
+        self.response_bytes = Counter(
+            "clipserve_response_bytes", "Response body bytes", ["protocol"], registry=r
+        )
+
+    def observe_batch(self, device: str, size: int, seconds: float) -> None:
+        self.batch_size.observe(size)
+        self.batch_duration.labels(device).observe(seconds)
+        self.items.inc(size)
+
+    def add_scrape_time_gauges(
+        self,
+        queue_depth: Callable[[], int],
+        device_memory: Callable[[], Mapping[str, int]],
+        workers_alive: Callable[[], Mapping[str, bool]],
+    ) -> None:
+        self.registry.register(_ScrapeTimeGauges(queue_depth, device_memory, workers_alive))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

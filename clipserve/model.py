@@ -1,0 +1,112 @@
+"""Loading an open_clip model and its preprocessing parameters (pretrained tag | checkpoint | none)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clipserve.config import ModelConfig
+from clipserve.errors import StartupError
+from clipserve.preprocess import PreprocessSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    """A CPU FP32 open_clip model in eval mode, and what the server needs to know about it."""
+
+    module: Any  # open_clip CLIP / CustomTextCLIP (untyped upstream)
+    name: str
+    weights_id: str  # pretrained tag, "sha256:<12 hex>" of a checkpoint, or "random"
+    preprocess: PreprocessSpec
+    embed_dim: int
+
+    @property
+    def identity(self) -> str:
+        return f"{self.name}/{self.weights_id}"
+
+
+def file_digest(path: Path, length: int = 12) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:length]
+
+
+def _resolve_name(model: str) -> str:
+    """An open_clip name, or a JSON config file registered with open_clip under its stem."""
+    import open_clip
+
+    path = Path(model)
+    if model.endswith(".json"):
+        if not path.is_file():
+            raise StartupError(f"--model: config file {model} does not exist")
+        open_clip.add_model_config(path)
+        return path.stem
+    if model not in open_clip.list_models():
+        raise StartupError(
+            f"--model: unknown open_clip model {model!r}; pass a name from "
+            "open_clip.list_models() or a path to a JSON model config"
+        )
+    return model
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    """Build the model on the CPU in FP32; executors copy it to their devices and precisions."""
+    import open_clip
+    import torch
+
+    name = _resolve_name(config.model)
+    pretrained = None if config.pretrained.lower() in ("none", "") else config.pretrained
+    if config.checkpoint:
+        pretrained = None
+    try:
+        module = open_clip.create_model(name, pretrained=pretrained, cache_dir=None)
+    except RuntimeError as e:
+        raise StartupError(f"--pretrained {config.pretrained}: {e}") from None
+    except Exception as e:  # hub unreachable, partial download, ...
+        raise StartupError(
+            f"could not fetch pretrained weights {config.pretrained!r} for {name} "
+            f"({type(e).__name__}: {e}); pass --checkpoint PATH with local weights, "
+            "or --pretrained none for random weights"
+        ) from None
+
+    if config.checkpoint:
+        path = Path(config.checkpoint)
+        if not path.is_file():
+            raise StartupError(f"--checkpoint: file {path} does not exist")
+        try:
+            open_clip.load_checkpoint(module, str(path), strict=True, weights_only=True)
+        except (RuntimeError, KeyError, ValueError) as e:
+            first = str(e).strip().splitlines()[0][:300]
+            raise StartupError(
+                f"--checkpoint {path} does not fit --model {config.model} ({first}); "
+                "pass the --model the checkpoint was trained with"
+            ) from None
+        except Exception as e:  # unpicklable, corrupt file, ...
+            raise StartupError(
+                f"--checkpoint {path} could not be read ({type(e).__name__}: {e}); "
+                "expected a state dict saved with torch.save (.pt) or a .safetensors file"
+            ) from None
+        weights_id = "sha256:" + file_digest(path)
+    elif pretrained is None:
+        log.warning(
+            "!!! --pretrained none: %s has RANDOM weights; its embeddings mean nothing. "
+            "Use this for testing only. !!!",
+            name,
+        )
+        weights_id = "random"
+    else:
+        weights_id = pretrained
+
+    module.eval()
+    preprocess = PreprocessSpec.from_open_clip(open_clip.get_model_preprocess_cfg(module))
+    with torch.inference_mode():
+        probe = torch.zeros(1, 3, *preprocess.size)
+        embed_dim = int(module.encode_image(probe).shape[-1])
+    return LoadedModel(module, name, weights_id, preprocess, embed_dim)
