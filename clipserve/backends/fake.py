@@ -74,13 +74,13 @@ class FakeExecutor:
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         check_batch(batch, self.spec)
+        time.sleep(self.latency_s + self.per_item_s * len(batch))
         if batch.dtype == np.uint8:
             marks = batch[:, 0, 0, 0].tolist()
             if self.fatal_pixel is not None and self.fatal_pixel in marks:
                 raise ExecutorFatal(f"simulated device loss on {self.info.device}")
             if self.fail_pixel is not None and self.fail_pixel in marks:
                 raise RuntimeError(f"simulated executor failure on {self.info.device}")
-        time.sleep(self.latency_s + self.per_item_s * len(batch))
         with self._lock:
             self.batches.append(len(batch))
         return self.features(batch) @ self._proj  # type: ignore[no-any-return]

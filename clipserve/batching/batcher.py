@@ -42,9 +42,14 @@ class Batcher:
                 max_batch_size=config.max_batch_size,
                 max_delay_s=config.max_queue_delay_ms / 1000,
                 metrics=metrics,
+                on_death=self._on_worker_death,
             )
             for ex in executors
         ]
+
+    def _on_worker_death(self) -> None:
+        if not self.alive:  # nothing will ever take what is queued: fail it now, not at timeout
+            self.queue.fail_all(NotReady("no executor worker is alive"))
 
     def start(self) -> None:
         for worker in self.workers:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -31,6 +32,7 @@ class DeviceWorker:
         max_batch_size: int,
         max_delay_s: float,
         metrics: Metrics,
+        on_death: Callable[[], None] = lambda: None,
     ) -> None:
         self.executor = executor
         self.device = executor.info.device
@@ -38,6 +40,7 @@ class DeviceWorker:
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_s
         self.metrics = metrics
+        self.on_death = on_death
         # A dedicated thread per device: the executor is only ever called from this thread.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"clipserve-{self.device}")
         self._task: asyncio.Task[None] | None = None
@@ -58,6 +61,7 @@ class DeviceWorker:
         exc = task.exception()
         self.error = f"{type(exc).__name__}: {exc}" if exc else "worker exited"
         log.critical("worker for %s stopped: %s", self.device, self.error)
+        self.on_death()
 
     async def stop(self) -> None:
         if self._task is not None:
