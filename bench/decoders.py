@@ -20,7 +20,9 @@ from bench.images import jpeg
 from clipserve import preprocess
 from clipserve.preprocess import ImageDecoder, PreprocessSpec
 
-SPEC = PreprocessSpec((224, 224), (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
+SPEC = PreprocessSpec(
+    (224, 224), (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+)
 SIZES = [(256, 256), (640, 480), (1920, 1080)]
 
 
@@ -48,6 +50,7 @@ def timed(fn, data: bytes, repeat: int) -> float:
 def variants() -> dict[str, object]:
     out: dict[str, object] = {"exact": ImageDecoder(SPEC, 10**9, fast=False)}
     for margin in (1, 2):
+
         def make(m: int = margin) -> object:
             dec = ImageDecoder(SPEC, 10**9, fast=True)
 

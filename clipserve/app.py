@@ -122,7 +122,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, routes.ServerState]]:
-        rt = runtime or await asyncio.to_thread(build_runtime, config)
+        rt: Runtime = (
+            runtime if runtime is not None else await asyncio.to_thread(build_runtime, config)
+        )
         pool = ThreadPoolExecutor(
             resolve_workers(config.limits.decode_workers), thread_name_prefix="clipserve-decode"
         )

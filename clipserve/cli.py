@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 from clipserve import __version__
 from clipserve.config import ServerConfig, iter_options, load_config
@@ -43,6 +46,29 @@ def configure_logging(level: str) -> None:
     )
 
 
+def _drain_on_signal_server() -> type:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM once its graceful shutdown is done, so a fully drained
+        server would still die 'killed by signal'. Here a drained shutdown exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return DrainingServer
+
+
 def serve(config: ServerConfig) -> int:
     import uvicorn
 
@@ -53,7 +79,7 @@ def serve(config: ServerConfig) -> int:
     # from inside the lifespan protocol.
     runtime = build_runtime(config)
     app = create_app(config, runtime=runtime)
-    server = uvicorn.Server(
+    server = _drain_on_signal_server()(
         uvicorn.Config(
             app,
             host=config.http.host,

@@ -1,4 +1,4 @@
-"""Configuration: frozen dataclasses, filled from CLI flags, then `CLIPSERVE_*` variables, then defaults.
+"""Configuration: frozen dataclasses from CLI flags, then `CLIPSERVE_*` variables, then defaults.
 
 Each field's metadata holds its help text; the flag is `--field-name` and the variable
 `CLIPSERVE_FIELD_NAME`, so the CLI, the environment and the README table share one source.

@@ -1,4 +1,4 @@
-"""Loading an open_clip model and its preprocessing parameters (pretrained tag | checkpoint | none)."""
+"""Loading an open_clip model and its preprocessing parameters (tag | checkpoint | none)."""
 
 from __future__ import annotations
 
@@ -66,14 +66,12 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if config.checkpoint:
         pretrained = None
     try:
-        module = open_clip.create_model(name, pretrained=pretrained, cache_dir=None)
-    except RuntimeError as e:
-        raise StartupError(f"--pretrained {config.pretrained}: {e}") from None
-    except Exception as e:  # hub unreachable, partial download, ...
+        module = open_clip.create_model(name, pretrained=pretrained)
+    except Exception as e:  # unknown tag, hub unreachable, partial download, ...
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise StartupError(
-            f"could not fetch pretrained weights {config.pretrained!r} for {name} "
-            f"({type(e).__name__}: {e}); pass --checkpoint PATH with local weights, "
-            "or --pretrained none for random weights"
+            f"--pretrained {config.pretrained}: could not load weights for {name} ({reason}); "
+            "pass --checkpoint PATH with local weights, or --pretrained none for random weights"
         ) from None
 
     if config.checkpoint:

@@ -67,8 +67,8 @@ def resized_size(width: int, height: int, spec: PreprocessSpec) -> tuple[int, in
 
 def center_box(width: int, height: int, spec: PreprocessSpec) -> tuple[int, int, int, int]:
     th, tw = spec.size
-    top = int(round((height - th) / 2.0))
-    left = int(round((width - tw) / 2.0))
+    top = round((height - th) / 2.0)  # torchvision's CenterCrop rounding, half to even
+    left = round((width - tw) / 2.0)
     return left, top, left + tw, top + th
 
 

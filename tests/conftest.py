@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny open_clip architecture, checkpoints written here, real uvicorn servers."""
+"""Shared fixtures: a tiny open_clip model, checkpoints written here, real uvicorn servers."""
 
 from __future__ import annotations
 

@@ -22,8 +22,9 @@ PNG = {"Content-Type": "image/png"}
 
 def post(server: RunningServer, body: bytes, headers: dict[str, str] | None = None,
          path: str = "/embed") -> httpx.Response:  # fmt: skip
-    return httpx.post(server.url + path, content=body, headers=PNG if headers is None else headers,
-                      timeout=30)
+    return httpx.post(
+        server.url + path, content=body, headers=PNG if headers is None else headers, timeout=30
+    )
 
 
 def metric(server: RunningServer, name: str) -> float:
@@ -35,7 +36,9 @@ def metric(server: RunningServer, name: str) -> float:
 
 async def post_many(server: RunningServer, bodies: list[bytes]) -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
-        return await asyncio.gather(*(client.post("/embed", content=b, headers=PNG) for b in bodies))
+        return await asyncio.gather(
+            *(client.post("/embed", content=b, headers=PNG) for b in bodies)
+        )
 
 
 def marked_png(mark: int, seed: int = 0) -> bytes:
@@ -53,7 +56,9 @@ def test_embedding_equals_a_direct_model_call(serve: Serve, tiny_model: Any) -> 
     body = r.json()
     assert body["dim"] == 32 and body["normalized"] is True
     assert re.fullmatch(r"tiny-clip/sha256:[0-9a-f]{12}", body["model"])
-    np.testing.assert_allclose(body["embedding"], reference_embedding(tiny_model, pixels), atol=1e-5)
+    np.testing.assert_allclose(
+        body["embedding"], reference_embedding(tiny_model, pixels), atol=1e-5
+    )
 
     raw = post(server, png_bytes(pixels), path="/embed?normalize=false").json()
     assert raw["normalized"] is False
@@ -110,8 +115,14 @@ def test_real_model_batches_concurrent_requests(serve: Serve, tiny_model: Any) -
     [
         ({}, b"not an image", PNG, "/embed", 400, "invalid_image"),
         ({}, b"", PNG, "/embed", 400, "invalid_image"),
-        ({}, encode(synthetic_image(640, 480), "JPEG")[:2000], {"Content-Type": "image/jpeg"},
-         "/embed", 400, "invalid_image"),
+        (
+            {},
+            encode(synthetic_image(640, 480), "JPEG")[:2000],
+            {"Content-Type": "image/jpeg"},
+            "/embed",
+            400,
+            "invalid_image",
+        ),
         ({"max_body_bytes": 4096}, b"x" * 5000, PNG, "/embed", 413, "payload_too_large"),
         ({"max_image_pixels": 10000}, None, PNG, "/embed", 413, "image_too_large"),
         ({}, b"abc", {"Content-Type": "text/plain"}, "/embed", 415, "unsupported_media_type"),
@@ -121,8 +132,15 @@ def test_real_model_batches_concurrent_requests(serve: Serve, tiny_model: Any) -
     ],
     ids=["garbage", "empty", "truncated", "body", "pixels", "media", "no-media", "param", "accept"],
 )
-def test_error_table(serve: Serve, overrides: dict[str, Any], body: bytes | None,
-                     headers: dict[str, str], path: str, status: int, code: str) -> None:  # fmt: skip
+def test_error_table(
+    serve: Serve,
+    overrides: dict[str, Any],
+    body: bytes | None,
+    headers: dict[str, str],
+    path: str,
+    status: int,
+    code: str,
+) -> None:
     server = serve(**overrides)
     r = post(server, marked_png(1) if body is None else body, headers, path)
     assert r.status_code == status, r.text

@@ -1,4 +1,4 @@
-"""Backends by name. Each module is imported only when chosen, so optional dependencies stay optional."""
+"""Backends by name, each imported only when chosen, so optional dependencies stay optional."""
 
 from __future__ import annotations
 

@@ -58,8 +58,10 @@ class TorchExecutor:
         scale, bias = normalisation_affine(self.spec)
         self._scale = torch.from_numpy(scale).view(1, 3, 1, 1).to(self.device)
         self._bias = torch.from_numpy(bias).view(1, 3, 1, 1).to(self.device)
-        self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
-        self.info = ExecutorInfo(backend, str(self.device), precision, self.spec.size, model.embed_dim)
+        self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None  # type: ignore[no-untyped-call]
+        self.info = ExecutorInfo(
+            backend, str(self.device), precision, self.spec.size, model.embed_dim
+        )
 
     def _to_device(self, batch: np.ndarray) -> torch.Tensor:
         x = torch.from_numpy(batch)

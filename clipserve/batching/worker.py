@@ -111,8 +111,13 @@ class DeviceWorker:
 
     def _fail(self, batch: list[WorkItem], what: str) -> None:
         ids = sorted({item.request_id for item in batch})
-        log.exception("%s on %s failed a batch of %d; request ids: %s", what, self.device,
-                      len(batch), ", ".join(ids))
+        log.exception(
+            "%s on %s failed a batch of %d; request ids: %s",
+            what,
+            self.device,
+            len(batch),
+            ", ".join(ids),
+        )
         self.metrics.batch_failures.labels(self.device).inc()
         for item in batch:
             if not item.future.done():

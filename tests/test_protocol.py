@@ -1,0 +1,38 @@
+"""Pure protocol helpers: media types and Accept negotiation."""
+
+from __future__ import annotations
+
+import pytest
+
+from clipserve.errors import NotAcceptable
+from clipserve.protocol.media import media_type, negotiate
+
+OFFERED = ("application/json", "application/msgpack", "application/octet-stream")
+
+
+@pytest.mark.parametrize(
+    ("accept", "chosen"),
+    [
+        (None, "application/json"),
+        ("", "application/json"),
+        ("*/*", "application/json"),
+        ("application/*", "application/json"),
+        ("application/msgpack", "application/msgpack"),
+        ("text/html, application/octet-stream;q=0.5", "application/octet-stream"),
+        ("application/json;q=0.2, application/msgpack;q=0.9", "application/msgpack"),
+        ("application/json;q=0, */*;q=0.1", "application/msgpack"),
+    ],
+)
+def test_negotiate(accept: str | None, chosen: str) -> None:
+    assert negotiate(accept, OFFERED) == chosen
+
+
+@pytest.mark.parametrize("accept", ["text/html", "image/*", "application/json;q=0"])
+def test_negotiate_refuses_what_it_cannot_produce(accept: str) -> None:
+    with pytest.raises(NotAcceptable):
+        negotiate(accept, OFFERED)
+
+
+def test_media_type_strips_parameters_and_case() -> None:
+    assert media_type("Image/JPEG; charset=binary") == "image/jpeg"
+    assert media_type(None) == ""

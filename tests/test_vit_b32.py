@@ -1,0 +1,51 @@
+"""The real ViT-B-32 architecture, random weights from a checkpoint written here, served."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import httpx
+import numpy as np
+import open_clip
+import pytest
+import torch
+from open_clip.transform import PreprocessCfg, image_transform_v2
+from PIL import Image
+
+from bench.images import jpeg
+from clipserve.config import load_config
+from tests.conftest import png_bytes, random_pixels, reference_embedding, running
+
+pytestmark = pytest.mark.slow
+
+
+def test_vit_b32_served_matches_open_clip(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = open_clip.create_model("ViT-B-32", pretrained=None).eval()
+    checkpoint = tmp_path / "vit-b-32.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(checkpoint))
+    config = load_config(
+        {"model": "ViT-B-32", "checkpoint": str(checkpoint), "backend": "torch", "gpus": "cpu",
+         "max_batch_size": "4"}, environ={},
+    )  # fmt: skip
+    with running(config) as server:
+        info = httpx.get(server.url + "/info").json()
+        assert info["embed_dim"] == 512 and info["input_size"] == [224, 224]
+
+        pixels = random_pixels(11)  # identical pixels: equal to a direct model call
+        r = httpx.post(server.url + "/embed", content=png_bytes(pixels),
+                       headers={"Content-Type": "image/png"}, timeout=60)  # fmt: skip
+        want = reference_embedding(model, pixels)
+        np.testing.assert_allclose(r.json()["embedding"], want, atol=1e-5)
+
+        data = jpeg(640, 480, seed=4)  # a JPEG: open_clip's whole pipeline, fast decode allowed
+        r = httpx.post(server.url + "/embed", content=data,
+                       headers={"Content-Type": "image/jpeg"}, timeout=60)  # fmt: skip
+        transform = image_transform_v2(PreprocessCfg(**open_clip.get_model_preprocess_cfg(model)),
+                                       is_train=False)  # fmt: skip
+        with torch.inference_mode():
+            ref = model.encode_image(transform(Image.open(io.BytesIO(data)))[None], normalize=True)
+        assert float(np.dot(r.json()["embedding"], ref[0].numpy())) >= 0.999
