@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clipserve import errors, routes
 from clipserve.batching import Batcher
-from clipserve.config import ServerConfig, resolve_workers
+from clipserve.config import ServerConfig
 from clipserve.metrics import Metrics
 from clipserve.protocol.responses import encode_error
 from clipserve.runtime import Runtime, build_runtime
@@ -126,9 +126,9 @@ def create_app(
             runtime if runtime is not None else await asyncio.to_thread(build_runtime, config)
         )
         pool = ThreadPoolExecutor(
-            resolve_workers(config.limits.decode_workers), thread_name_prefix="clipserve-decode"
+            rt.decode_workers(config.limits.decode_workers), thread_name_prefix="clipserve-decode"
         )
-        batcher = Batcher(rt.executors, config.batching, metrics)
+        batcher = Batcher(rt.executors, config.batching, metrics, rt.threads)
         metrics.add_scrape_time_gauges(
             batcher.depth,
             lambda: {

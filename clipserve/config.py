@@ -69,7 +69,9 @@ class LimitsConfig:
     max_body_bytes: int = _opt(32 * 1024 * 1024, "largest request body")
     max_image_pixels: int = _opt(40_000_000, "largest decoded image (width x height)")
     max_items_per_request: int = _opt(64, "most images in one request")
-    decode_workers: int = _opt(0, "threads decoding images; 0 = one per core")
+    decode_workers: int = _opt(
+        0, "threads decoding images; 0 = one per core (GPU) or per 8 cores (CPU inference)"
+    )
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,21 @@
-"""The heavy objects a server needs: the model, one warmed-up executor per device, the decoder."""
+"""The heavy objects a server needs: the model, one warmed-up executor per device, the decoder.
+
+Each device gets one thread that builds, warms up and later runs its executor; no other thread
+ever runs the model. On the CPU this matters: every thread that runs a torch op gets its own
+OpenMP team, and once libgomp manages more threads than there are cores it stops spin-waiting,
+which made batch-1 inference 30% slower here (bench/results/served_vs_offline-*.json).
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from clipserve.backends.base import Executor, warmup_sizes
 from clipserve.backends.registry import create_executor, resolve_backend, resolve_devices
-from clipserve.config import ServerConfig
+from clipserve.config import ServerConfig, resolve_workers
 from clipserve.model import LoadedModel, load_model
 from clipserve.preprocess import ImageDecoder
 
@@ -20,34 +27,63 @@ class Runtime:
     model: LoadedModel
     backend: str
     executors: list[Executor]
+    threads: list[ThreadPoolExecutor]  # threads[i] is the only thread that runs executors[i]
     decoder: ImageDecoder
 
+    @property
+    def on_cpu(self) -> bool:
+        return all(ex.info.device == "cpu" for ex in self.executors)
+
+    def decode_workers(self, requested: int) -> int:
+        """0 = auto: one per core when a GPU computes; with CPU inference, one per 8 cores, since
+        each decode thread preempts one of torch's (2 threads here: 0.79 of offline, 1: 0.95)."""
+        if requested:
+            return requested
+        cores = resolve_workers(0)
+        return max(1, cores // 8) if self.on_cpu else cores
+
     def close(self) -> None:
-        for executor in reversed(self.executors):
-            executor.close()
+        for executor, thread in zip(self.executors, self.threads, strict=False):
+            thread.submit(executor.close).result()
+        for thread in self.threads:
+            thread.shutdown(wait=True)
+
+
+def _build_executor(
+    backend: str, model: LoadedModel, config: ServerConfig, device: str
+) -> Executor:
+    executor = create_executor(backend, model, config, device)
+    try:
+        sizes = warmup_sizes(config.batching.max_batch_size)
+        t0 = time.perf_counter()
+        executor.warmup(sizes)
+    except BaseException:
+        executor.close()
+        raise
+    log.info(
+        "warmed up %s on %s (%s) over batch sizes %s in %.1f s",
+        backend, device, executor.info.precision, sizes, time.perf_counter() - t0,
+    )  # fmt: skip
+    return executor
 
 
 def build_runtime(config: ServerConfig) -> Runtime:
     """Load, build and warm up everything; raises StartupError with a one-line reason."""
-    model = load_model(config.model)
     devices = resolve_devices(config.backend.gpus, config.backend.backend)
-    backend = resolve_backend(config.backend.backend, devices[0])
+    threads = [ThreadPoolExecutor(1, thread_name_prefix=f"clipserve-{d}") for d in devices]
     executors: list[Executor] = []
     try:
-        for device in devices:
-            executors.append(create_executor(backend, model, config, device))
-        sizes = warmup_sizes(config.batching.max_batch_size)
-        for executor in executors:
-            t0 = time.perf_counter()
-            executor.warmup(sizes)
-            log.info(
-                "warmed up %s on %s (%s) over batch sizes %s in %.1f s",
-                backend, executor.info.device, executor.info.precision, sizes,
-                time.perf_counter() - t0,
-            )  # fmt: skip
+        model = threads[0].submit(load_model, config.model).result()
+        backend = resolve_backend(config.backend.backend, devices[0])
+        for device, thread in zip(devices, threads, strict=True):
+            executors.append(
+                thread.submit(_build_executor, backend, model, config, device).result()
+            )
     except BaseException:
-        for executor in executors:
-            executor.close()
+        for executor, thread in zip(executors, threads, strict=False):
+            thread.submit(executor.close).result()
+        for thread in threads:
+            thread.shutdown(wait=False)
         raise
     decoder = ImageDecoder(model.preprocess, config.limits.max_image_pixels)
-    return Runtime(model, backend, executors, decoder)
+    return Runtime(model, backend, executors, threads, decoder)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +31,11 @@ class Batcher:
     """Create inside a running event loop; `start()` launches the workers."""
 
     def __init__(
-        self, executors: Sequence[Executor], config: BatchingConfig, metrics: Metrics
+        self,
+        executors: Sequence[Executor],
+        config: BatchingConfig,
+        metrics: Metrics,
+        threads: Sequence[ThreadPoolExecutor | None] | None = None,
     ) -> None:
         self.config = config
         self.admission = Admission(config.max_queue_size)
@@ -42,9 +47,10 @@ class Batcher:
                 max_batch_size=config.max_batch_size,
                 max_delay_s=config.max_queue_delay_ms / 1000,
                 metrics=metrics,
+                thread=thread,
                 on_death=self._on_worker_death,
             )
-            for ex in executors
+            for ex, thread in zip(executors, threads or [None] * len(executors), strict=True)
         ]
 
     def _on_worker_death(self) -> None:

@@ -32,6 +32,7 @@ class DeviceWorker:
         max_batch_size: int,
         max_delay_s: float,
         metrics: Metrics,
+        thread: ThreadPoolExecutor | None = None,
         on_death: Callable[[], None] = lambda: None,
     ) -> None:
         self.executor = executor
@@ -41,8 +42,12 @@ class DeviceWorker:
         self.max_delay_s = max_delay_s
         self.metrics = metrics
         self.on_death = on_death
-        # A dedicated thread per device: the executor is only ever called from this thread.
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"clipserve-{self.device}")
+        # The executor is only ever called from one thread: the runtime's thread that built it,
+        # or a dedicated one made here (and shut down by stop()).
+        self._owns_thread = thread is None
+        self._thread = thread or ThreadPoolExecutor(
+            1, thread_name_prefix=f"clipserve-{self.device}"
+        )
         self._task: asyncio.Task[None] | None = None
         self.error: str | None = None
         self.busy = 0  # images computing now
@@ -67,7 +72,8 @@ class DeviceWorker:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._thread.shutdown(wait=True)
+        if self._owns_thread:
+            self._thread.shutdown(wait=True)
 
     async def _loop(self) -> None:
         while True:
