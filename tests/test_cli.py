@@ -175,3 +175,9 @@ def test_sigterm_drains_in_flight_requests(
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_readme_configuration_table_lists_every_option() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for option in iter_options():
+        assert f"| `{option.flag}` | `{option.env}` |" in readme, option.flag

@@ -64,6 +64,8 @@ class TorchExecutor:
         )
 
     def _to_device(self, batch: np.ndarray) -> torch.Tensor:
+        if not batch.flags.writeable:  # e.g. straight from PIL; torch cannot wrap read-only memory
+            batch = batch.copy()
         x = torch.from_numpy(batch)
         if self.is_cuda:
             x = x.pin_memory().to(self.device, non_blocking=True)
