@@ -17,25 +17,45 @@ from clipserve.errors import StartupError
 log = logging.getLogger("clipserve")
 
 
-def build_parser() -> argparse.ArgumentParser:
+SUBCOMMANDS = {
+    "export": "export the image tower to ONNX, check it and compare it with PyTorch",
+    "profile": "profile an ONNX Runtime backend: op-type time shares and CPU fallbacks",
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    if command is None:
+        description = (
+            "Serve CLIP image embeddings over HTTP with dynamic batching. Every flag can also "
+            "be set as CLIPSERVE_<FLAG> (e.g. CLIPSERVE_MAX_BATCH_SIZE); the flag wins. "
+            "Subcommands: " + "; ".join(f"'clipserve {k}': {v}" for k, v in SUBCOMMANDS.items())
+        )
+    else:
+        description = SUBCOMMANDS[command]
     parser = argparse.ArgumentParser(
-        prog="clipserve",
-        description="Serve CLIP image embeddings over HTTP with dynamic batching. Every flag "
-        "can also be set as CLIPSERVE_<FLAG> (e.g. CLIPSERVE_MAX_BATCH_SIZE); the flag wins.",
+        prog="clipserve" + (f" {command}" if command else ""), description=description
     )
     parser.add_argument("--version", action="version", version=f"clipserve {__version__}")
     for option in iter_options():
-        repeatable = option.type == tuple[str, ...]
         shown = "none" if option.default is None else option.default
+        helptext = f"{option.help} [env {option.env}; default {shown or '-'}]"
+        if option.type is bool:
+            parser.add_argument(option.flag, dest=option.name, default=None,
+                                action="store_const", const="true", help=helptext)  # fmt: skip
+            continue
         parser.add_argument(
             option.flag,
             dest=option.name,
             default=None,
-            action="append" if repeatable else "store",
+            action="append" if option.type == tuple[str, ...] else "store",
             choices=option.choices,
             metavar=None if option.choices else option.name.split("_")[-1].upper(),
-            help=f"{option.help} [env {option.env}; default {shown or '-'}]",
+            help=helptext,
         )
+    if command is not None:
+        from clipserve.commands import add_subcommand_flags
+
+        add_subcommand_flags(parser, command)
     return parser
 
 
@@ -95,10 +115,20 @@ def serve(config: ServerConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = vars(build_parser().parse_args(argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else None
+    args = vars(build_parser(command).parse_args(argv))
     try:
         config = load_config(args)
         configure_logging(config.http.log_level)
+        if command == "export":
+            from clipserve.commands import export_main
+
+            return export_main(config, args["output"])
+        if command == "profile":
+            from clipserve.commands import profile_main
+
+            return profile_main(config, args["batches"], args["batch_size"])
         return serve(config)
     except StartupError as e:
         print(f"clipserve: error: {e}", file=sys.stderr)

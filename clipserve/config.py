@@ -46,6 +46,10 @@ class BackendConfig:
         None, "fp32 or fp16; default: the backend's own", choices=PRECISIONS
     )
     threads: int = _opt(0, "intra-op threads for CPU inference; 0 = one per core")
+    compile: bool = _opt(False, "torch backends: compile the model with torch.compile")
+    batch_buckets: str = _opt(
+        "", "cuda-graphs: batch sizes to capture, e.g. 1,4,16,32; default: powers of two"
+    )
     backend_option: tuple[str, ...] = _opt(
         (), "KEY=VALUE passed to the executor (repeatable; env: comma-separated)"
     )
@@ -136,6 +140,13 @@ def _coerce(option: Option, raw: str | list[str]) -> Any:
         items = raw if isinstance(raw, list) else [s for s in raw.split(",") if s.strip()]
         return tuple(s.strip() for s in items)
     assert isinstance(raw, str)
+    if kind is bool:
+        value = raw.strip().lower()
+        if value in ("1", "true", "yes", "on"):
+            return True
+        if value in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(f"{option.flag} (or {option.env}): expected true or false, got {raw!r}")
     if kind in (str | None,) and raw.strip().lower() in ("", "none"):
         return None
     try:
@@ -209,6 +220,11 @@ def validate(config: ServerConfig) -> None:
         re.fullmatch(r"auto|cpu|\d+(,\d+)*", be.gpus.replace(" ", "")) is not None,
         "gpus",
         f"expected 'auto', 'cpu' or a list of ids such as 0,1; got {be.gpus!r}",
+    )
+    _require(
+        re.fullmatch(r"(\d+(,\d+)*)?", be.batch_buckets.replace(" ", "")) is not None,
+        "batch_buckets",
+        f"expected a list of batch sizes such as 1,8,32; got {be.batch_buckets!r}",
     )
     for item in be.backend_option:
         _require("=" in item, "backend_option", f"expected KEY=VALUE, got {item!r}")

@@ -1,7 +1,10 @@
-"""Every registered executor that can run here honours the Executor contract."""
+"""Every registered executor that can run here honours the Executor contract and matches PyTorch."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -9,13 +12,21 @@ import numpy as np
 import pytest
 import torch
 
+from clipserve.backends import cuda_graphs, ort
 from clipserve.backends.base import Executor, normalise_numpy, warmup_sizes
+from clipserve.backends.onnx_export import cached_export, weights_digest
 from clipserve.backends.registry import BACKENDS, create_executor, resolve_backend
+from clipserve.commands import summarise_profile
 from clipserve.errors import StartupError
 from clipserve.model import load_model
 from tests.conftest import make_config
 
-RUNNABLE_HERE = ["torch", "fake"]
+RUNNABLE_HERE = ["torch", "ort-cpu", "fake"]
+GPU_BACKENDS = ["torch", "cuda-graphs", "ort-cuda", "ort-trt"]
+# Stated tolerances against PyTorch FP32, cosine per embedding:
+FP32_MIN_COSINE = 0.99999
+FP16_MIN_COSINE = 0.999
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +34,33 @@ def loaded(tiny_config: Path, tiny_checkpoint: Path) -> Any:
     return load_model(make_config(tiny_config, tiny_checkpoint).model)
 
 
+@pytest.fixture
+def config_for(tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path) -> Any:
+    def build(**overrides: Any) -> Any:
+        overrides.setdefault("cache_dir", str(tmp_path / "cache"))
+        return make_config(tiny_config, tiny_checkpoint, **overrides)
+
+    return build
+
+
 def batch(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, 224, 224, 3), dtype=np.uint8)
 
 
+def reference(loaded: Any, x: np.ndarray) -> np.ndarray:
+    with torch.inference_mode():
+        return loaded.module.visual(torch.from_numpy(normalise_numpy(x, loaded.preprocess))).numpy()
+
+
+def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min())
+
+
 @pytest.mark.parametrize("name", RUNNABLE_HERE)
-def test_conformance(name: str, loaded: Any, tiny_config: Path, tiny_checkpoint: Path) -> None:
-    config = make_config(tiny_config, tiny_checkpoint, backend=name)
-    executor: Executor = create_executor(name, loaded, config, "cpu")
+def test_conformance(name: str, loaded: Any, config_for: Any) -> None:
+    executor: Executor = create_executor(name, loaded, config_for(backend=name), "cpu")
     try:
+        assert executor.info.backend == name
         assert executor.info.embed_dim == 32 and executor.info.input_size == (224, 224)
         executor.warmup(warmup_sizes(4))
         x = batch(3)
@@ -40,6 +69,7 @@ def test_conformance(name: str, loaded: Any, tiny_config: Path, tiny_checkpoint:
         np.testing.assert_allclose(executor.run(x[1:2]), out[1:2], rtol=1e-4, atol=1e-5)
         floats = normalise_numpy(x, loaded.preprocess)  # the second input kind
         np.testing.assert_allclose(executor.run(floats), out, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(executor.run(floats.astype(np.float16)), out, atol=5e-2)
         with pytest.raises(ValueError):
             executor.run(np.zeros((1, 100, 100, 3), dtype=np.uint8))
         assert executor.memory() is None  # CPU: nothing to report
@@ -47,37 +77,155 @@ def test_conformance(name: str, loaded: Any, tiny_config: Path, tiny_checkpoint:
         executor.close()
 
 
-def test_torch_matches_open_clip_directly(loaded: Any, tiny_config: Path, tiny_checkpoint: Path,
-                                         tiny_model: Any) -> None:  # fmt: skip
-    config = make_config(tiny_config, tiny_checkpoint)
-    executor = create_executor("torch", loaded, config, "cpu")
-    x = batch(4, seed=3)
-    with torch.inference_mode():
-        want = tiny_model.encode_image(torch.from_numpy(normalise_numpy(x, loaded.preprocess)))
-    np.testing.assert_allclose(executor.run(x), want.numpy(), atol=1e-5, rtol=1e-5)
+@pytest.mark.parametrize("name", ["torch", "ort-cpu"])
+def test_fp32_parity_with_pytorch(name: str, loaded: Any, config_for: Any) -> None:
+    executor = create_executor(name, loaded, config_for(backend=name), "cpu")
+    x = batch(8, seed=3)
+    out, want = executor.run(x), reference(loaded, x)
+    assert min_cosine(out, want) >= FP32_MIN_COSINE
+    np.testing.assert_allclose(out, want, atol=1e-4)
 
 
-def test_fp16_on_cpu_is_refused(loaded: Any, tiny_config: Path, tiny_checkpoint: Path) -> None:
-    config = make_config(tiny_config, tiny_checkpoint, precision="fp16")
-    with pytest.raises(StartupError, match="--precision fp16"):
-        create_executor("torch", loaded, config, "cpu")
+def test_export_is_cached_by_weights_and_reused(loaded: Any, config_for: Any,
+                                                tmp_path: Path) -> None:  # fmt: skip
+    first = cached_export(loaded, tmp_path, "fp32")
+    meta = json.loads((first.directory / "meta.json").read_text())
+    assert meta["min_cosine_vs_torch"] >= FP32_MIN_COSINE
+    assert meta["versions"]["onnxruntime"] and meta["versions"]["torch"]
+    mtime = first.image.stat().st_mtime_ns
+    again = cached_export(loaded, tmp_path, "fp32")
+    assert again.image == first.image and again.image.stat().st_mtime_ns == mtime  # reused
+    other = load_model(config_for(pretrained="none", checkpoint="none").model)  # new weights
+    assert weights_digest(other) != weights_digest(loaded)
+    assert cached_export(other, tmp_path, "fp32").directory != first.directory
 
 
-def test_auto_picks_an_available_backend_and_unknown_names_fail() -> None:
-    assert resolve_backend("auto", "cpu") in BACKENDS
+def test_fp16_export_stays_within_fp16_tolerance(loaded: Any, tmp_path: Path) -> None:
+    exported = cached_export(loaded, tmp_path, "fp16")
+    assert json.loads((exported.directory / "meta.json").read_text())["precision"] == "fp16"
+    assert json.loads((exported.directory / "meta.json").read_text())["min_cosine_vs_torch"] >= (
+        FP16_MIN_COSINE
+    )
+
+
+@pytest.mark.parametrize("name", ["ort-cuda", "ort-trt"])
+def test_gpu_provider_that_cannot_load_is_refused(name: str, loaded: Any, tmp_path: Path) -> None:
+    """onnxruntime-gpu lists these providers here, with no GPU; the session falls back to the
+    CPU. The executor must notice and refuse rather than serve on the CPU under a GPU name."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the provider may well load")
+    exported = cached_export(loaded, tmp_path, "fp32")
+    with pytest.raises(StartupError, match=r"could not use \w+ExecutionProvider.*clipserve\["):
+        ort.OrtExecutor(exported, loaded, name, "cuda:0", "fp16", max_batch_size=4, threads=1)
+
+
+@pytest.mark.parametrize("name", ["ort-cuda", "ort-trt", "cuda-graphs"])
+def test_gpu_backends_refuse_a_cpu_device(name: str, loaded: Any, config_for: Any) -> None:
+    with pytest.raises(StartupError, match="needs a CUDA device"):
+        create_executor(name, loaded, config_for(backend=name), "cpu")
+
+
+@pytest.mark.parametrize(("name", "precision"), [("torch", "fp16"), ("ort-cpu", "fp16")])
+def test_unsupported_precision_fails_naming_the_flag(name: str, precision: str, loaded: Any,
+                                                     config_for: Any) -> None:  # fmt: skip
+    with pytest.raises(StartupError, match=f"--precision {precision}"):
+        create_executor(name, loaded, config_for(backend=name, precision=precision), "cpu")
+
+
+def test_trt_options_build_one_profile_for_every_batch_size(tmp_path: Path) -> None:
+    opts = ort.trt_provider_options("cuda:1", tmp_path, (224, 224), 32, "fp16")
+    assert opts["device_id"] == "1"
+    assert opts["trt_fp16_enable"] == "True"
+    assert opts["trt_profile_min_shapes"] == "pixel_values:1x3x224x224"
+    assert opts["trt_profile_opt_shapes"] == "pixel_values:32x3x224x224"
+    assert opts["trt_profile_max_shapes"] == "pixel_values:32x3x224x224"
+    assert opts["trt_engine_cache_enable"] == "True"
+    assert opts["trt_engine_cache_path"] == opts["trt_timing_cache_path"] == str(tmp_path)
+    assert (
+        ort.trt_provider_options("cuda:0", tmp_path, (336, 336), 8, "fp32")["trt_fp16_enable"]
+        == "False"
+    )
+
+
+def test_provider_lists_put_the_wanted_provider_first(tmp_path: Path) -> None:
+    def names(backend: str) -> list[str]:
+        providers = ort.providers_for(backend, "cuda:0", tmp_path, (224, 224), 8, "fp16")
+        return [name for name, _ in providers]
+
+    assert names("ort-trt") == [ort.TRT, ort.CUDA, ort.CPU]
+    assert names("ort-cuda") == [ort.CUDA, ort.CPU]
+    assert names("ort-cpu") == [ort.CPU]
+    cuda = ort.cuda_provider_options("cuda:2")
+    assert cuda["device_id"] == "2" and cuda["arena_extend_strategy"] == "kSameAsRequested"
+
+
+def test_cuda_graph_buckets() -> None:
+    assert cuda_graphs.parse_buckets("", 32) == [1, 2, 4, 8, 16, 32]
+    assert cuda_graphs.parse_buckets("", 24) == [1, 2, 4, 8, 16, 24]
+    assert cuda_graphs.parse_buckets("8, 1,32", 32) == [1, 8, 32]
+    assert cuda_graphs.parse_buckets("1,16,64", 32) == [1, 16, 32]  # capped at the largest batch
+    with pytest.raises(StartupError, match="--batch-buckets"):
+        cuda_graphs.parse_buckets("1,8", 32)
+    buckets = [1, 8, 32]
+    assert [cuda_graphs.bucket_for(n, buckets) for n in (1, 2, 8, 9, 32)] == [1, 8, 8, 32, 32]
+    with pytest.raises(ValueError):
+        cuda_graphs.bucket_for(33, buckets)
+
+
+def test_auto_picks_ort_cpu_here_and_unknown_names_fail() -> None:
+    assert resolve_backend("auto", "cpu") == "ort-cpu"  # faster at batch 1 on CPU (bench/)
     with pytest.raises(StartupError, match="unknown backend"):
         resolve_backend("nope", "cpu")
+    assert {"torch", "cuda-graphs", "ort-cpu", "ort-cuda", "ort-trt", "fake"} <= set(BACKENDS)
+
+
+def test_profile_summary_shares_and_cpu_fallbacks() -> None:
+    events = [
+        {"cat": "Node", "name": "mm_kernel_time", "dur": 30,
+         "args": {"op_name": "MatMul", "provider": "CUDAExecutionProvider"}},
+        {"cat": "Node", "name": "mm2_kernel_time", "dur": 50,
+         "args": {"op_name": "MatMul", "provider": "CUDAExecutionProvider"}},
+        {"cat": "Node", "name": "shape_kernel_time", "dur": 20,
+         "args": {"op_name": "Shape", "provider": "CPUExecutionProvider"}},
+        {"cat": "Session", "name": "model_run", "dur": 500, "args": {}},
+    ]  # fmt: skip
+    shares, on_cpu = summarise_profile(events)
+    assert shares == {"MatMul": pytest.approx(0.8), "Shape": pytest.approx(0.2)}
+    assert on_cpu == ["shape (Shape)"]
+
+
+def test_export_and_profile_commands(tiny_config: Path, tiny_checkpoint: Path,
+                                     tmp_path: Path) -> None:  # fmt: skip
+    base = ["--model", str(tiny_config), "--checkpoint", str(tiny_checkpoint),
+            "--cache-dir", str(tmp_path / "cache"), "--log-level", "warning"]  # fmt: skip
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "clipserve", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+    exported = run("export", *base, "--output", str(tmp_path / "out"))
+    assert exported.returncode == 0, exported.stderr
+    assert "checker    passed" in exported.stdout
+    cosine = float(exported.stdout.split("min cosine ")[1].split()[0])
+    assert cosine >= FP32_MIN_COSINE
+    assert (tmp_path / "out" / "image-fp32.onnx").is_file()
+    profiled = run("profile", *base, "--backend", "ort-cpu", "--gpus", "cpu", "--batches", "2")
+    assert profiled.returncode == 0, profiled.stderr
+    shares = [float(line.split()[-1].rstrip("%")) for line in profiled.stdout.splitlines()[2:]]
+    assert shares and abs(sum(shares) - 100) < 1.0
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_torch_fp16_on_cuda_stays_close_to_fp32(loaded: Any, tiny_config: Path,
-                                               tiny_checkpoint: Path) -> None:  # fmt: skip
-    config = make_config(tiny_config, tiny_checkpoint, gpus="0")
-    fp32 = create_executor("torch", loaded, make_config(tiny_config, tiny_checkpoint), "cpu")
-    fp16 = create_executor("torch", loaded, config, "cuda:0")
-    x = batch(8)
-    a, b = fp32.run(x), fp16.run(x)
-    cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
-    assert cos.min() >= 0.999
-    assert (fp16.memory() or 0) > 0
+@needs_cuda
+@pytest.mark.parametrize("name", GPU_BACKENDS)
+def test_gpu_parity(name: str, loaded: Any, config_for: Any) -> None:
+    try:
+        executor = create_executor(name, loaded, config_for(backend=name, gpus="0"), "cuda:0")
+    except StartupError as e:
+        pytest.skip(f"{name} cannot start here: {e}")
+    executor.warmup(warmup_sizes(8))
+    for n in (1, 3, 8):
+        x = batch(n, seed=n)
+        assert min_cosine(executor.run(x), reference(loaded, x)) >= FP16_MIN_COSINE
+    assert (executor.memory() or 0) > 0
+    executor.close()

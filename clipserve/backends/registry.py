@@ -22,16 +22,25 @@ Factory = Callable[["LoadedModel", "ServerConfig", str], Executor]
 
 @dataclass(frozen=True)
 class BackendEntry:
-    module: str  # defines `create(model, config, device) -> Executor` and `available(device)`
+    module: str
     extra: str | None  # the pip extra that provides its dependencies
     gpu_only: bool = False
     simulated: bool = False  # runs on simulated devices; needs no hardware
+    create: str = "create"  # module attribute: (model, config, device) -> Executor
+    available: str = "available"  # module attribute: (device) -> bool
 
 
 BACKENDS: dict[str, BackendEntry] = {
     "torch": BackendEntry("clipserve.backends.torch_eager", None),
+    "cuda-graphs": BackendEntry("clipserve.backends.cuda_graphs", None, gpu_only=True),
+    "ort-cpu": BackendEntry("clipserve.backends.ort", None, create="create_cpu",
+                            available="available_cpu"),
+    "ort-cuda": BackendEntry("clipserve.backends.ort", "cuda", gpu_only=True,
+                             create="create_cuda", available="available_cuda"),
+    "ort-trt": BackendEntry("clipserve.backends.ort", "tensorrt", gpu_only=True,
+                            create="create_trt", available="available_trt"),
     "fake": BackendEntry("clipserve.backends.fake", None, simulated=True),
-}
+}  # fmt: skip
 
 # `--backend auto` takes the first of these that is registered and available on the device.
 AUTO_ORDER = ("ort-trt", "cuda-graphs", "ort-cuda", "ort-cpu", "torch")
@@ -91,7 +100,7 @@ def resolve_backend(name: str, device: str) -> str:
             module = _module(candidate)
         except StartupError:
             continue
-        available: Callable[[str], bool] = getattr(module, "available")  # noqa: B009
+        available: Callable[[str], bool] = getattr(module, entry.available)
         if available(device):
             log.info("--backend auto picked %s for %s", candidate, device)
             return candidate
@@ -103,5 +112,5 @@ def create_executor(name: str, model: LoadedModel, config: ServerConfig, device:
     entry = BACKENDS[name]
     if entry.gpu_only and not device.startswith("cuda"):
         raise StartupError(f"--backend {name} needs a CUDA device; --gpus resolved to {device}")
-    factory: Factory = getattr(module, "create")  # noqa: B009
+    factory: Factory = getattr(module, entry.create)
     return factory(model, config, device)

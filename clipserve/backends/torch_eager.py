@@ -48,7 +48,13 @@ def configure_cpu_threads(config: ServerConfig) -> int:
 
 class TorchExecutor:
     def __init__(
-        self, model: LoadedModel, device: str, precision: str, *, backend: str = "torch"
+        self,
+        model: LoadedModel,
+        device: str,
+        precision: str,
+        *,
+        backend: str = "torch",
+        compile: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = _DTYPES[precision]
@@ -59,6 +65,8 @@ class TorchExecutor:
         self._scale = torch.from_numpy(scale).view(1, 3, 1, 1).to(self.device)
         self._bias = torch.from_numpy(bias).view(1, 3, 1, 1).to(self.device)
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None  # type: ignore[no-untyped-call]
+        if compile:  # shapes vary with the batch size: compile for dynamic batch once
+            self.visual = torch.compile(self.visual, dynamic=True)
         self.info = ExecutorInfo(
             backend, str(self.device), precision, self.spec.size, model.embed_dim
         )
@@ -69,10 +77,12 @@ class TorchExecutor:
         x = torch.from_numpy(batch)
         if self.is_cuda:
             x = x.pin_memory().to(self.device, non_blocking=True)
-        if batch.dtype == np.uint8:
-            # NHWC permuted to NCHW keeps channels-last strides, the layout the patch conv prefers.
-            x = x.permute(0, 3, 1, 2).float().mul_(self._scale).add_(self._bias)
-        return x.to(self.dtype)
+        return self.normalise(x) if batch.dtype == np.uint8 else x.to(self.dtype)
+
+    def normalise(self, x: torch.Tensor) -> torch.Tensor:
+        """uint8 NHWC on the device → normalised NCHW in the model's dtype. The permuted view
+        keeps channels-last strides, the layout the patch-embedding convolution prefers."""
+        return x.permute(0, 3, 1, 2).float().mul_(self._scale).add_(self._bias).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.visual(x)  # type: ignore[no-any-return]
@@ -107,4 +117,4 @@ def create(model: LoadedModel, config: ServerConfig, device: str) -> TorchExecut
     check_precision("torch", precision, device)
     if device == "cpu":
         configure_cpu_threads(config)
-    return TorchExecutor(model, device, precision)
+    return TorchExecutor(model, device, precision, compile=config.backend.compile)

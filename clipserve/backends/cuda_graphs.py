@@ -1,0 +1,105 @@
+"""PyTorch with captured CUDA graphs: one graph per batch-size bucket, captured during warm-up.
+
+A batch is padded to the next bucket, replayed, and the padding sliced off. Every graph
+normalises its static uint8 input on the device, so a replay is the whole forward pass with one
+launch. Already-normalised float input runs eagerly on the same stream.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from clipserve.backends.base import check_batch, warmup_sizes
+from clipserve.backends.torch_eager import TorchExecutor, default_precision
+from clipserve.errors import StartupError
+
+if TYPE_CHECKING:
+    from clipserve.config import ServerConfig
+    from clipserve.model import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+def available(device: str) -> bool:
+    return device.startswith("cuda") and torch.cuda.is_available()
+
+
+def parse_buckets(spec: str, max_batch_size: int) -> list[int]:
+    """'' → powers of two up to the largest batch; else the listed sizes, which must cover it."""
+    if not spec.strip():
+        return warmup_sizes(max_batch_size)
+    buckets = sorted({int(s) for s in spec.replace(" ", "").split(",")})
+    if buckets[0] < 1:
+        raise StartupError("--batch-buckets: sizes must be at least 1")
+    if buckets[-1] < max_batch_size:
+        raise StartupError(
+            f"--batch-buckets: the largest bucket ({buckets[-1]}) must be at least "
+            f"--max-batch-size ({max_batch_size})"
+        )
+    return [b for b in buckets if b < max_batch_size] + [max_batch_size]
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"batch of {n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+class CudaGraphExecutor(TorchExecutor):
+    def __init__(
+        self, model: LoadedModel, device: str, precision: str, buckets: Sequence[int]
+    ) -> None:
+        super().__init__(model, device, precision, backend="cuda-graphs")
+        self.buckets = list(buckets)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+
+    def _capture(self, n: int, pool: Any) -> None:
+        h, w = self.spec.size
+        static_in = torch.zeros((n, h, w, 3), dtype=torch.uint8, device=self.device)
+        with torch.inference_mode(), torch.cuda.stream(self.stream):
+            for _ in range(2):  # warm up kernels and the allocator outside the capture
+                self.forward(self.normalise(static_in))
+            self.stream.synchronize()  # type: ignore[union-attr]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                static_out = self.forward(self.normalise(static_in)).float()
+        self._graphs[n] = (graph, static_in, static_out)
+
+    def warmup(self, batch_sizes: Sequence[int]) -> None:
+        """Capture every bucket now, largest first so the smaller ones share its memory pool."""
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for n in sorted(self.buckets, reverse=True):
+            self._capture(n, pool)
+        log.info("captured CUDA graphs for buckets %s in %.1f s", self.buckets,
+                 time.perf_counter() - t0)  # fmt: skip
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        if batch.dtype != np.uint8:
+            return super().run(batch)
+        check_batch(batch, self.spec)
+        n = batch.shape[0]
+        graph, static_in, static_out = self._graphs[bucket_for(n, self.buckets)]
+        host = torch.from_numpy(np.ascontiguousarray(batch)).pin_memory()
+        with torch.inference_mode(), torch.cuda.stream(self.stream):
+            static_in[:n].copy_(host, non_blocking=True)
+            graph.replay()
+            return static_out[:n].cpu().numpy()  # the copy waits for the replay on this stream
+
+
+def create(model: LoadedModel, config: ServerConfig, device: str) -> CudaGraphExecutor:
+    if not device.startswith("cuda"):
+        raise StartupError(
+            f"--backend cuda-graphs needs a CUDA device; --gpus resolved to {device}"
+        )
+    precision = config.backend.precision or default_precision(device)
+    buckets = parse_buckets(config.backend.batch_buckets, config.batching.max_batch_size)
+    return CudaGraphExecutor(model, device, precision, buckets)

@@ -1,0 +1,216 @@
+"""Exporting the image tower to ONNX, and the cache that keeps exports across restarts.
+
+Two graphs per export, chained on the executor's device without a host round trip:
+  normalize-<dtype>.onnx  uint8 NHWC → normalised NCHW (Cast, Transpose, Mul, Add, Cast)
+  image-<dtype>.onnx      normalised NCHW → embeddings (the open_clip visual tower)
+Clients that send already-normalised float tensors skip the first graph. Keeping the prefix
+separate keeps the big graph the plain model (one TensorRT engine, the same graph `export`
+writes for other runtimes) rather than two copies of the weights for two input kinds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clipserve.backends.base import normalisation_affine
+from clipserve.errors import StartupError
+from clipserve.model import LoadedModel
+from clipserve.preprocess import PreprocessSpec
+
+log = logging.getLogger(__name__)
+
+OPSET = 18
+IR_VERSION = 10  # the IR of opsets up to 21
+INPUT = "pixel_values"
+OUTPUT = "image_embeds"
+PIXELS = "pixels"
+FP32_MIN_COSINE = 0.99999
+FP16_MIN_COSINE = 0.999
+
+
+@dataclass(frozen=True)
+class ExportedModel:
+    directory: Path
+    image: Path
+    normalize: Path
+    precision: str
+
+
+def weights_digest(model: LoadedModel) -> str:
+    """A hash of the image tower's weights themselves, so random weights never reuse an export."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.module.visual.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def library_versions() -> dict[str, str]:
+    import onnx
+    import onnxruntime
+    import torch
+
+    from clipserve import __version__
+
+    return {"clipserve": __version__, "torch": torch.__version__, "onnx": onnx.__version__,
+            "onnxruntime": onnxruntime.__version__, "opset": str(OPSET)}  # fmt: skip
+
+
+def cache_key(model: LoadedModel, digest: str) -> str:
+    versions = hashlib.sha256(json.dumps(library_versions(), sort_keys=True).encode())
+    safe_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in model.name)
+    return f"{safe_name}-{digest}-{versions.hexdigest()[:8]}"
+
+
+def normalize_graph(spec: PreprocessSpec, dtype: str) -> Any:
+    """uint8 (N, H, W, 3) → float (N, 3, H, W) in `dtype`, normalised with the model's mean/std."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    scale, bias = normalisation_affine(spec)
+    h, w = spec.size
+    out_type = TensorProto.FLOAT16 if dtype == "fp16" else TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Cast", [PIXELS], ["as_float"], to=TensorProto.FLOAT),
+        helper.make_node("Transpose", ["as_float"], ["nchw"], perm=[0, 3, 1, 2]),
+        helper.make_node("Mul", ["nchw", "scale"], ["scaled"]),
+        helper.make_node("Add", ["scaled", "bias"], ["normalised"]),
+        helper.make_node("Cast", ["normalised"], [INPUT], to=out_type),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "clipserve_normalize",
+        [helper.make_tensor_value_info(PIXELS, TensorProto.UINT8, ["batch", h, w, 3])],
+        [helper.make_tensor_value_info(INPUT, out_type, ["batch", 3, h, w])],
+        initializer=[
+            numpy_helper.from_array(scale.reshape(1, 3, 1, 1), "scale"),
+            numpy_helper.from_array(bias.reshape(1, 3, 1, 1), "bias"),
+        ],
+    )
+    # IR version pinned: onnx writes its newest by default, which ONNX Runtime may not read yet.
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION
+    )
+
+
+def export_image_tower(model: LoadedModel, path: Path, precision: str) -> None:
+    """Write the visual tower with a dynamic batch axis, then check it with the ONNX checker."""
+    import copy
+
+    import onnx
+    import torch
+
+    visual = copy.deepcopy(model.module.visual).eval()
+    dtype = torch.float16 if precision == "fp16" else torch.float32
+    visual = visual.to(dtype)
+    h, w = model.preprocess.size
+    dummy = torch.zeros(2, 3, h, w, dtype=dtype)
+    # Grad stays enabled: without it nn.MultiheadAttention takes its fused fast path
+    # (aten::_native_multi_head_attention), which has no ONNX export.
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    chatter = io.StringIO()  # the exporter prints its progress to stdout
+    with torch.inference_mode(False), torch.enable_grad(), contextlib.redirect_stdout(chatter):
+        program = torch.onnx.export(
+            visual, (dummy,), input_names=[INPUT], output_names=[OUTPUT],
+            dynamic_shapes=({0: batch},), opset_version=OPSET, dynamo=True,
+            optimize=True, verify=False, report=False,
+        )  # fmt: skip
+    log.debug("torch.onnx: %s", chatter.getvalue())
+    assert program is not None
+    program.save(str(path))
+    onnx.checker.check_model(str(path), full_check=True)
+
+
+def session_options(precision: str, threads: int = 0) -> Any:
+    """ORT_ENABLE_ALL adds the CPU EP's layout transforms, which crash (SIGSEGV, onnxruntime
+    1.31) on FP16 graphs: FP16 sessions stop at ORT_ENABLE_EXTENDED."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    levels = ort.GraphOptimizationLevel
+    options.graph_optimization_level = (
+        levels.ORT_ENABLE_EXTENDED if precision == "fp16" else levels.ORT_ENABLE_ALL
+    )
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    return options
+
+
+def compare_with_torch(model: LoadedModel, exported: ExportedModel, batch: int = 4) -> float:
+    """Min cosine between ONNX Runtime (CPU) and PyTorch FP32 over one random uint8 batch."""
+    import onnxruntime as ort
+    import torch
+
+    from clipserve.backends.base import normalise_numpy
+
+    rng = np.random.default_rng(0)
+    h, w = model.preprocess.size
+    pixels = rng.integers(0, 256, (batch, h, w, 3), dtype=np.uint8)
+    with torch.inference_mode():
+        want = model.module.visual(torch.from_numpy(normalise_numpy(pixels, model.preprocess)))
+    options = session_options(exported.precision)
+    providers = ["CPUExecutionProvider"]
+    norm = ort.InferenceSession(str(exported.normalize), options, providers=providers)
+    image = ort.InferenceSession(str(exported.image), options, providers=providers)
+    x = norm.run(None, {PIXELS: pixels})[0]
+    got = image.run(None, {INPUT: x})[0].astype(np.float32)
+    a, b = got, want.numpy()
+    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return float(cos.min())
+
+
+def export(model: LoadedModel, directory: Path, precision: str) -> ExportedModel:
+    """Export both graphs into `directory` (written atomically: a crash leaves no half export)."""
+    import onnx
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = directory.with_name(directory.name + f".tmp-{time.time_ns()}")
+    staging.mkdir()
+    t0 = time.perf_counter()
+    image = staging / f"image-{precision}.onnx"
+    normalize = staging / f"normalize-{precision}.onnx"
+    try:
+        export_image_tower(model, image, precision)
+        onnx.save(normalize_graph(model.preprocess, precision), str(normalize))
+        onnx.checker.check_model(str(normalize), full_check=True)
+    except StartupError:
+        raise
+    except Exception as e:
+        raise StartupError(f"ONNX export of {model.name} failed ({type(e).__name__}: {e})") from e
+    result = ExportedModel(staging, image, normalize, precision)
+    cosine = compare_with_torch(model, result)
+    floor = FP16_MIN_COSINE if precision == "fp16" else FP32_MIN_COSINE
+    if cosine < floor:
+        raise StartupError(f"exported ONNX model disagrees with PyTorch (min cosine {cosine:.6f})")
+    (staging / "meta.json").write_text(json.dumps({
+        "model": model.identity, "precision": precision, "min_cosine_vs_torch": cosine,
+        "versions": library_versions(), "input": INPUT, "output": OUTPUT,
+    }, indent=2))  # fmt: skip
+    directory.mkdir(exist_ok=True)
+    for f in staging.iterdir():
+        f.replace(directory / f.name)
+    staging.rmdir()
+    log.info("exported %s (%s) to %s in %.1f s; min cosine vs PyTorch %.7f",
+             model.identity, precision, directory, time.perf_counter() - t0, cosine)  # fmt: skip
+    return ExportedModel(directory, directory / image.name, directory / normalize.name, precision)
+
+
+def cached_export(model: LoadedModel, cache_dir: Path, precision: str) -> ExportedModel:
+    """The export for these weights, library versions and precision: reused if present."""
+    directory = cache_dir / "onnx" / cache_key(model, weights_digest(model))
+    image = directory / f"image-{precision}.onnx"
+    normalize = directory / f"normalize-{precision}.onnx"
+    if image.is_file() and normalize.is_file():
+        log.info("reusing ONNX export %s", image)
+        return ExportedModel(directory, image, normalize, precision)
+    return export(model, directory, precision)
