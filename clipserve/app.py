@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 STATUS: dict[type[errors.ClipserveError], int] = {
     errors.InvalidImage: 400,
     errors.InvalidTensor: 400,
+    errors.InvalidBody: 400,
+    errors.InvalidText: 400,
+    errors.TextTooLong: 413,
+    errors.TooManyTexts: 413,
     errors.PayloadTooLarge: 413,
     errors.ImageTooLarge: 413,
     errors.TooManyItems: 413,
@@ -129,6 +133,8 @@ def create_app(
             rt.decode_workers(config.limits.decode_workers), thread_name_prefix="clipserve-decode"
         )
         batcher = Batcher(rt.executors, config.batching, metrics, rt.threads)
+        # The text tower has its own queue and workers, on the same device threads.
+        text_batcher = Batcher(rt.text_executors, config.batching, metrics, rt.threads, "text")
         metrics.add_scrape_time_gauges(
             batcher.depth,
             lambda: {
@@ -137,20 +143,22 @@ def create_app(
             lambda: {w.device: w.alive for w in batcher.workers},
         )
         batcher.start()
-        app.state.server = routes.ServerState(config, rt, batcher, metrics, pool)
+        text_batcher.start()
+        app.state.server = routes.ServerState(config, rt, batcher, text_batcher, metrics, pool)
         log.info("serving %s with %s on %s", rt.model.identity, rt.backend,
                  ", ".join(ex.info.device for ex in rt.executors))  # fmt: skip
         try:
             yield {"server": app.state.server}
         finally:
-            await batcher.stop()
+            await asyncio.gather(batcher.stop(), text_batcher.stop())
             pool.shutdown(wait=True)
             rt.close()
 
-    paths = {"/embed", "/info", "/healthz", "/readyz", "/metrics"}
+    paths = {"/embed", "/embed/text", "/info", "/healthz", "/readyz", "/metrics"}
     app = Starlette(
         routes=[
             Route("/embed", routes.embed, methods=["POST"]),
+            Route("/embed/text", routes.embed_text, methods=["POST"]),
             Route("/info", routes.info, methods=["GET"]),
             Route("/healthz", routes.healthz, methods=["GET"]),
             Route("/readyz", routes.readyz, methods=["GET"]),

@@ -73,6 +73,7 @@ class LimitsConfig:
     max_body_bytes: int = _opt(32 * 1024 * 1024, "largest request body")
     max_image_pixels: int = _opt(40_000_000, "largest decoded image (width x height)")
     max_items_per_request: int = _opt(64, "most images in one request")
+    max_text_chars: int = _opt(1000, "longest text in characters for /embed/text")
     decode_workers: int = _opt(
         0, "threads decoding images; 0 = one per core (GPU) or per 8 cores (CPU inference)"
     )
@@ -203,6 +204,7 @@ def validate(config: ServerConfig) -> None:
     _require(lim.request_timeout_s > 0, "request_timeout_s", "must be positive")
     _require(lim.max_body_bytes >= 1024, "max_body_bytes", "must be at least 1024")
     _require(lim.max_image_pixels >= 1, "max_image_pixels", "must be positive")
+    _require(lim.max_text_chars >= 1, "max_text_chars", "must be at least 1")
     _require(lim.max_items_per_request >= 1, "max_items_per_request", "must be at least 1")
     _require(
         lim.max_items_per_request <= b.max_queue_size,

@@ -21,6 +21,24 @@ class InvalidTensor(ClipserveError):
     code = "invalid_tensor"
 
 
+class InvalidBody(ClipserveError):
+    """The body does not parse as its Content-Type says, or lacks the fields it needs."""
+
+    code = "invalid_body"
+
+
+class InvalidText(ClipserveError):
+    code = "invalid_text"
+
+
+class TextTooLong(ClipserveError):
+    code = "text_too_long"
+
+
+class TooManyTexts(ClipserveError):
+    code = "too_many_texts"
+
+
 class InvalidParameter(ClipserveError):
     code = "invalid_parameter"
 

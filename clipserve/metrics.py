@@ -68,7 +68,12 @@ class Metrics:
             "clipserve_batch_duration_seconds", "Forward pass time per batch", ["device"],
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.text_batch_size = Histogram(
+            "clipserve_text_batch_size", "Texts per text-tower forward pass",
+            buckets=_BATCH_BUCKETS, registry=r,
+        )  # fmt: skip
         self.items = Counter("clipserve_items", "Images embedded", registry=r)
+        self.text_items = Counter("clipserve_text_items", "Texts embedded", registry=r)
         self.batch_failures = Counter(
             "clipserve_batch_failures", "Batches failed by the executor", ["device"], registry=r
         )
@@ -79,7 +84,11 @@ class Metrics:
             "clipserve_response_bytes", "Response body bytes", ["protocol"], registry=r
         )
 
-    def observe_batch(self, device: str, size: int, seconds: float) -> None:
+    def observe_batch(self, device: str, size: int, seconds: float, kind: str = "image") -> None:
+        if kind == "text":
+            self.text_batch_size.observe(size)
+            self.text_items.inc(size)
+            return
         self.batch_size.observe(size)
         self.batch_duration.labels(device).observe(seconds)
         self.items.inc(size)

@@ -24,6 +24,8 @@ class LoadedModel:
     weights_id: str  # pretrained tag, "sha256:<12 hex>" of a checkpoint, or "random"
     preprocess: PreprocessSpec
     embed_dim: int
+    tokenizer: Any  # open_clip tokenizer: list[str] → LongTensor (N, context_length)
+    context_length: int
 
     @property
     def identity(self) -> str:
@@ -107,4 +109,6 @@ def load_model(config: ModelConfig) -> LoadedModel:
     with torch.inference_mode():
         probe = torch.zeros(1, 3, *preprocess.size)
         embed_dim = int(module.encode_image(probe).shape[-1])
-    return LoadedModel(module, name, weights_id, preprocess, embed_dim)
+    tokenizer = open_clip.get_tokenizer(name)
+    context_length = int(getattr(tokenizer, "context_length", None) or module.context_length)
+    return LoadedModel(module, name, weights_id, preprocess, embed_dim, tokenizer, context_length)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -24,8 +24,9 @@ from clipserve.errors import (
 )
 from clipserve.metrics import Metrics
 from clipserve.protocol.media import media_type, negotiate
-from clipserve.protocol.requests import Payload, check_media_type, parse_body
-from clipserve.protocol.responses import RESPONSE_TYPES, encode_embeddings
+from clipserve.protocol.requests import REQUEST_TYPES, check_media_type, parse_body
+from clipserve.protocol.responses import RESPONSE_TYPES, encode_embeddings, out_dtype
+from clipserve.protocol.text import TEXT_TYPES, parse_texts
 from clipserve.runtime import Runtime
 from clipserve.timing import StageTimer
 
@@ -40,6 +41,7 @@ class ServerState:
     config: ServerConfig
     runtime: Runtime
     batcher: Batcher
+    text_batcher: Batcher
     metrics: Metrics
     decode_pool: Any  # concurrent.futures.ThreadPoolExecutor
 
@@ -98,9 +100,13 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
     return task.result()
 
 
+async def in_pool(state: ServerState, fn: Callable[..., T], *args: Any) -> T:
+    """CPU work (parsing, decoding, tokenising) goes to the pool, never onto the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(state.decode_pool, fn, *args)
+
+
 async def decode_all(state: ServerState, images: Sequence[bytes], single: bool) -> list[np.ndarray]:
-    loop = asyncio.get_running_loop()
-    jobs = [loop.run_in_executor(state.decode_pool, state.runtime.decoder, d) for d in images]
+    jobs = [in_pool(state, state.runtime.decoder, data) for data in images]
     results = await asyncio.gather(*jobs, return_exceptions=True)
     for index, result in enumerate(results):
         if isinstance(result, ClipserveError):
@@ -110,59 +116,111 @@ async def decode_all(state: ServerState, images: Sequence[bytes], single: bool) 
     return results  # type: ignore[return-value]
 
 
-async def _embed_payload(
-    state: ServerState, request: Request, payload: Payload, timer: StageTimer, normalize: bool
-) -> Completed:
-    ticket = state.batcher.admit(len(payload))
+@dataclass
+class Job:
+    """One request on its way through admission, preparation and a batcher."""
+
+    protocol: str
+    count: int
+    prepare: Callable[[], Awaitable[Sequence[np.ndarray]]]
+    single: bool = False
+
+
+Parser = Callable[[ServerState, Mapping[str, str], bytes], Awaitable[Job]]
+
+
+async def _run(state: ServerState, request: Request, batcher: Batcher, job: Job,
+               timer: StageTimer, normalize: bool) -> Completed:  # fmt: skip
+    ticket = batcher.admit(job.count)  # before decoding: the backlog stays bounded
     try:
         with timer.measure("decode"):
-            if payload.tensor is not None:
-                arrays: Sequence[np.ndarray] = list(payload.tensor)
-            else:
-                arrays = await decode_all(state, payload.images, payload.single)
+            arrays = await job.prepare()
         return await unless_disconnected(
             request.receive,
-            state.batcher.run(
-                ticket, arrays, normalize=normalize, request_id=request.state.request_id
-            ),
+            batcher.run(ticket, arrays, normalize=normalize, request_id=request.state.request_id),
         )
     finally:
         ticket.release_all()
 
 
-async def embed(request: Request) -> Response:
+async def _serve(request: Request, batcher: Batcher, parse: Parser,
+                 accepted: tuple[str, ...]) -> Response:  # fmt: skip
+    """The shared shape of /embed and /embed/text: everything before and after the batcher."""
     state = _server(request)
     limits = state.config.limits
-    timer = StageTimer()
-    media = media_type(request.headers.get("content-type"))
-    check_media_type(media)
+    check_media_type(media_type(request.headers.get("content-type")), accepted)
     response_type = negotiate(request.headers.get("accept"), RESPONSE_TYPES)
     normalize = _flag(request, "normalize", True)
+    dtype = out_dtype(request.query_params.get("dtype"))
+    timer = StageTimer()
     try:
         async with asyncio.timeout(limits.request_timeout_s):
             with timer.measure("receive"):
                 body = await read_body(request, limits.max_body_bytes)
-            payload = parse_body(media, body)
-            completed = await _embed_payload(state, request, payload, timer, normalize)
+            with timer.measure("decode"):  # parsing the body counts as decoding
+                job = await parse(state, request.headers, body)
+            completed = await _run(state, request, batcher, job, timer, normalize)
     except TimeoutError:
         raise RequestTimeout(
             f"request took longer than {limits.request_timeout_s} s (--request-timeout-s)"
         ) from None
     timer.add("queue", completed.queue_s)
     timer.add("compute", completed.compute_s)
-    model = state.runtime.model
     with timer.measure("encode"):
-        content = encode_embeddings(
+        content, headers = encode_embeddings(
             completed.embeddings,
-            single=payload.single,
-            meta={"model": model.identity, "normalized": normalize},
+            single=job.single,
+            meta={"model": state.runtime.model.identity, "normalized": normalize},
             media=response_type,
+            dtype=dtype,
         )
+    metrics = state.metrics
     for stage, seconds in timer.stages.items():
-        state.metrics.stage_duration.labels(stage, payload.protocol).observe(seconds)
-    state.metrics.request_bytes.labels(payload.protocol).inc(len(body))
-    state.metrics.response_bytes.labels(payload.protocol).inc(len(content))
-    return Response(content, media_type=response_type, headers={"Server-Timing": timer.header()})
+        metrics.stage_duration.labels(stage, job.protocol).observe(seconds)
+    metrics.request_bytes.labels(job.protocol).inc(len(body))
+    metrics.response_bytes.labels(job.protocol).inc(len(content))
+    headers["Server-Timing"] = timer.header()
+    return Response(content, media_type=response_type, headers=headers)
+
+
+async def _image_job(state: ServerState, headers: Mapping[str, str], body: bytes) -> Job:
+    tensor_headers = {k: headers[k] for k in ("x-tensor-dtype", "x-tensor-shape") if k in headers}
+    payload = await in_pool(state, parse_body, headers.get("content-type", ""), tensor_headers,
+                            body, state.runtime.model.preprocess.size,
+                            state.config.limits.max_items_per_request)  # fmt: skip
+    tensor = payload.tensor
+    if tensor is not None:
+
+        async def views() -> Sequence[np.ndarray]:
+            return list(tensor)  # zero-copy rows; stacked on the device thread
+
+        return Job(payload.protocol, len(payload), views)
+
+    async def decoded() -> Sequence[np.ndarray]:
+        return await decode_all(state, payload.images, payload.single)
+
+    return Job(payload.protocol, len(payload), decoded, single=payload.single)
+
+
+async def _text_job(state: ServerState, headers: Mapping[str, str], body: bytes) -> Job:
+    limits = state.config.limits
+    content_type = headers.get("content-type", "")
+    texts = await in_pool(state, parse_texts, content_type, body,
+                          limits.max_items_per_request, limits.max_text_chars)  # fmt: skip
+    protocol = "text-json" if media_type(content_type) == "application/json" else "text-msgpack"
+
+    async def tokens() -> Sequence[np.ndarray]:
+        return list(await in_pool(state, state.runtime.tokenize, texts))
+
+    return Job(protocol, len(texts), tokens)
+
+
+async def embed(request: Request) -> Response:
+    return await _serve(request, _server(request).batcher, _image_job, REQUEST_TYPES)
+
+
+async def embed_text(request: Request) -> Response:
+    return await _serve(request, _server(request).text_batcher, _text_job, TEXT_TYPES)
 
 
 async def info(request: Request) -> Response:
@@ -203,8 +261,14 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    workers = _server(request).batcher.workers
-    status = {w.device: "ok" if w.alive else f"dead: {w.error}" for w in workers}
+    state = _server(request)
+    workers = state.batcher.workers + state.text_batcher.workers
+    status = {
+        (w.device if w.kind == "image" else f"{w.kind}:{w.device}"): (
+            "ok" if w.alive else f"dead: {w.error}"
+        )
+        for w in workers
+    }
     ready = all(w.alive for w in workers)
     return JSONResponse({"ready": ready, "workers": status}, status_code=200 if ready else 503)
 

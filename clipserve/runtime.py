@@ -13,6 +13,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
+
 from clipserve.backends.base import Executor, warmup_sizes
 from clipserve.backends.registry import create_executor, resolve_backend, resolve_devices
 from clipserve.config import ServerConfig, resolve_workers
@@ -27,8 +29,13 @@ class Runtime:
     model: LoadedModel
     backend: str
     executors: list[Executor]
-    threads: list[ThreadPoolExecutor]  # threads[i] is the only thread that runs executors[i]
+    text_executors: list[Executor]  # one per device, on the same thread as executors[i]
+    threads: list[ThreadPoolExecutor]  # threads[i] is the only thread that runs device i
     decoder: ImageDecoder
+
+    def tokenize(self, texts: list[str]) -> np.ndarray:
+        """CPU work: run it in the decode pool."""
+        return self.model.tokenizer(texts).numpy().astype(np.int64, copy=False)  # type: ignore[no-any-return]
 
     @property
     def on_cpu(self) -> bool:
@@ -43,8 +50,9 @@ class Runtime:
         return max(1, cores // 8) if self.on_cpu else cores
 
     def close(self) -> None:
-        for executor, thread in zip(self.executors, self.threads, strict=False):
-            thread.submit(executor.close).result()
+        for executors in (self.executors, self.text_executors):
+            for executor, thread in zip(executors, self.threads, strict=False):
+                thread.submit(executor.close).result()
         for thread in self.threads:
             thread.shutdown(wait=True)
 
@@ -67,11 +75,21 @@ def _build_executor(
     return executor
 
 
+def _build_text_executor(model: LoadedModel, config: ServerConfig, device: str) -> Executor:
+    from clipserve.backends.text_torch import TextExecutor
+
+    precision = config.backend.precision if device.startswith("cuda") else "fp32"
+    executor = TextExecutor(model, device if not device.startswith("sim") else "cpu", precision)
+    executor.warmup(warmup_sizes(config.batching.max_batch_size))
+    return executor
+
+
 def build_runtime(config: ServerConfig) -> Runtime:
     """Load, build and warm up everything; raises StartupError with a one-line reason."""
     devices = resolve_devices(config.backend.gpus, config.backend.backend)
     threads = [ThreadPoolExecutor(1, thread_name_prefix=f"clipserve-{d}") for d in devices]
     executors: list[Executor] = []
+    text_executors: list[Executor] = []
     try:
         model = threads[0].submit(load_model, config.model).result()
         backend = resolve_backend(config.backend.backend, devices[0])
@@ -79,11 +97,15 @@ def build_runtime(config: ServerConfig) -> Runtime:
             executors.append(
                 thread.submit(_build_executor, backend, model, config, device).result()
             )
+            text_executors.append(
+                thread.submit(_build_text_executor, model, config, device).result()
+            )
     except BaseException:
-        for executor, thread in zip(executors, threads, strict=False):
-            thread.submit(executor.close).result()
+        for built in (executors, text_executors):
+            for executor, thread in zip(built, threads, strict=False):
+                thread.submit(executor.close).result()
         for thread in threads:
             thread.shutdown(wait=False)
         raise
     decoder = ImageDecoder(model.preprocess, config.limits.max_image_pixels)
-    return Runtime(model, backend, executors, threads, decoder)
+    return Runtime(model, backend, executors, text_executors, threads, decoder)

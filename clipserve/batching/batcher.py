@@ -36,6 +36,7 @@ class Batcher:
         config: BatchingConfig,
         metrics: Metrics,
         threads: Sequence[ThreadPoolExecutor | None] | None = None,
+        kind: str = "image",
     ) -> None:
         self.config = config
         self.admission = Admission(config.max_queue_size)
@@ -49,6 +50,7 @@ class Batcher:
                 metrics=metrics,
                 thread=thread,
                 on_death=self._on_worker_death,
+                kind=kind,
             )
             for ex, thread in zip(executors, threads or [None] * len(executors), strict=True)
         ]

@@ -34,7 +34,9 @@ class DeviceWorker:
         metrics: Metrics,
         thread: ThreadPoolExecutor | None = None,
         on_death: Callable[[], None] = lambda: None,
+        kind: str = "image",
     ) -> None:
+        self.kind = kind
         self.executor = executor
         self.device = executor.info.device
         self.queue = queue
@@ -57,7 +59,7 @@ class DeviceWorker:
         return self._task is not None and not self._task.done()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name=f"worker-{self.device}")
+        self._task = asyncio.create_task(self._loop(), name=f"{self.kind}-worker-{self.device}")
         self._task.add_done_callback(self._on_exit)
 
     def _on_exit(self, task: asyncio.Task[None]) -> None:
@@ -65,7 +67,7 @@ class DeviceWorker:
             return
         exc = task.exception()
         self.error = f"{type(exc).__name__}: {exc}" if exc else "worker exited"
-        log.critical("worker for %s stopped: %s", self.device, self.error)
+        log.critical("%s worker for %s stopped: %s", self.kind, self.device, self.error)
         self.on_death()
 
     async def stop(self) -> None:
@@ -109,7 +111,7 @@ class DeviceWorker:
         finally:
             self.busy = 0
         finished = time.perf_counter()
-        self.metrics.observe_batch(self.device, len(batch), finished - started)
+        self.metrics.observe_batch(self.device, len(batch), finished - started, self.kind)
         for item, row in zip(batch, out, strict=True):
             item.finished_at = finished
             if not item.future.done():

@@ -1,21 +1,33 @@
-"""Request bodies → the items to embed. Pure: bytes and media types in, no Starlette."""
+"""Request bodies → the items to embed. Pure: bytes, media types and headers in; no Starlette."""
 
 from __future__ import annotations
 
+import base64
+import binascii
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+import msgpack
 import numpy as np
+import orjson
 
-from clipserve.errors import UnsupportedMediaType
+from clipserve.errors import InvalidBody, TooManyItems, UnsupportedMediaType
+from clipserve.protocol.media import media_type
+from clipserve.protocol.multipart import parse_files
+from clipserve.protocol.tensors import parse_shape, parse_tensor
 
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp")
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+REQUEST_TYPES = (*IMAGE_TYPES, "multipart/form-data", *MSGPACK_TYPES,
+                 "application/octet-stream", "application/json")  # fmt: skip
 
 
 @dataclass
 class Payload:
     """Encoded images to decode, or one already-preprocessed tensor batch."""
 
-    protocol: str  # metrics label: jpeg, png, webp, ...
+    protocol: str  # metrics label: jpeg, png, webp, multipart, msgpack-images, ...
     images: list[bytes] = field(default_factory=list)
     tensor: np.ndarray | None = None
     single: bool = False  # answer {"embedding": ...} rather than {"embeddings": [...]}
@@ -28,15 +40,91 @@ def protocol_label(media: str) -> str:
     return {"image/jpeg": "jpeg", "image/png": "png", "image/webp": "webp"}.get(media, "other")
 
 
-def check_media_type(media: str) -> None:
+def check_media_type(media: str, accepted: tuple[str, ...] = REQUEST_TYPES) -> None:
     """Refuse an unsupported Content-Type before reading the body."""
-    if media not in IMAGE_TYPES:
+    if media not in accepted:
         shown = media or "(none)"
         raise UnsupportedMediaType(
-            f"Content-Type {shown} is not supported; send one of {', '.join(IMAGE_TYPES)}"
+            f"Content-Type {shown} is not supported; send one of {', '.join(accepted)}"
         )
 
 
-def parse_body(media: str, body: bytes) -> Payload:
+def _count(n: int, max_items: int) -> None:
+    if n > max_items:
+        raise TooManyItems(f"{n} images in one request; the limit is {max_items} "
+                           "(--max-items-per-request)")  # fmt: skip
+    if n == 0:
+        raise InvalidBody("the request holds no images")
+
+
+def unpack_msgpack(body: bytes) -> Any:
+    try:
+        # No ext_hook: extension types stay opaque ExtType values, never objects.
+        return msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise InvalidBody(f"malformed msgpack body ({type(e).__name__}: {e})") from None
+
+
+def _from_msgpack(body: bytes, size: tuple[int, int], max_items: int) -> Payload:
+    doc = unpack_msgpack(body)
+    if not isinstance(doc, dict) or len({"images", "tensor"} & doc.keys()) != 1:
+        raise InvalidBody('msgpack body must be a map with "images" or "tensor"')
+    if "images" in doc:
+        images = doc["images"]
+        if not isinstance(images, list):
+            raise InvalidBody('"images" must be an array of binary values')
+        _count(len(images), max_items)
+        for index, item in enumerate(images):
+            if not isinstance(item, bytes):
+                raise InvalidBody(f"item {index}: images must be msgpack bin, not "
+                                  f"{type(item).__name__}")  # fmt: skip
+        return Payload("msgpack-images", images=images)
+    spec = doc["tensor"]
+    if not isinstance(spec, dict) or not {"dtype", "shape", "data"} <= spec.keys():
+        raise InvalidBody('"tensor" must be a map with "dtype", "shape" and "data"')
+    dtype, shape, data = spec["dtype"], spec["shape"], spec["data"]
+    if not isinstance(dtype, str) or not isinstance(shape, list) or not isinstance(data, bytes):
+        raise InvalidBody('"tensor" needs dtype: str, shape: array, data: bin')
+    return Payload("msgpack-tensor", tensor=parse_tensor(dtype, shape, data, size, max_items))
+
+
+def _from_raw(headers: Mapping[str, str], body: bytes, size: tuple[int, int],
+              max_items: int) -> Payload:  # fmt: skip
+    dtype, shape = headers.get("x-tensor-dtype"), headers.get("x-tensor-shape")
+    if dtype is None or shape is None:
+        raise InvalidBody("application/octet-stream needs X-Tensor-Dtype and X-Tensor-Shape")
+    tensor = parse_tensor(dtype.strip().lower(), parse_shape(shape), body, size, max_items)
+    return Payload("raw-tensor", tensor=tensor)
+
+
+def _from_json(body: bytes, max_items: int) -> Payload:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise InvalidBody(f"malformed JSON body ({e})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("images"), list):
+        raise InvalidBody('JSON body must be {"images": ["<base64>", ...]}')
+    _count(len(doc["images"]), max_items)
+    images = []
+    for index, item in enumerate(doc["images"]):
+        try:
+            images.append(base64.b64decode(item, validate=True))
+        except (binascii.Error, TypeError, ValueError):
+            raise InvalidBody(f"item {index}: not a base64 string") from None
+    return Payload("json-base64", images=images)
+
+
+def parse_body(content_type: str, headers: Mapping[str, str], body: bytes,
+               size: tuple[int, int], max_items: int) -> Payload:  # fmt: skip
+    """`headers` maps lower-case names to values; `size` is the model's (height, width)."""
+    media = media_type(content_type)
     check_media_type(media)
-    return Payload(protocol_label(media), images=[body], single=True)
+    if media in IMAGE_TYPES:
+        return Payload(protocol_label(media), images=[body], single=True)
+    if media == "multipart/form-data":
+        return Payload("multipart", images=parse_files(content_type, body, max_items))
+    if media in MSGPACK_TYPES:
+        return _from_msgpack(body, size, max_items)
+    if media == "application/octet-stream":
+        return _from_raw(headers, body, size, max_items)
+    return _from_json(body, max_items)

@@ -1,0 +1,55 @@
+"""The text tower on PyTorch, on the same device (and device thread) as the image executor."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from clipserve.backends.base import ExecutorInfo
+from clipserve.backends.torch_eager import default_precision
+
+if TYPE_CHECKING:
+    from clipserve.model import LoadedModel
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+class TextExecutor:
+    """int64 token ids (N, context_length) → float32 (N, embed_dim), not L2-normalised."""
+
+    def __init__(self, model: LoadedModel, device: str, precision: str | None = None) -> None:
+        self.device = torch.device(device)
+        precision = precision or default_precision(device)
+        visual = model.module.visual
+        model.module.visual = torch.nn.Identity()  # copy only the text side
+        try:
+            module = copy.deepcopy(model.module)
+        finally:
+            model.module.visual = visual
+        self.module: Any = module.to(self.device, _DTYPES[precision]).eval()
+        self.context_length = int(model.context_length)
+        self.info = ExecutorInfo("torch-text", str(self.device), precision, (0, 0),
+                                 model.embed_dim)  # fmt: skip
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        if batch.dtype != np.int64 or batch.ndim != 2 or batch.shape[1] != self.context_length:
+            raise ValueError(f"expected int64 tokens (N, {self.context_length}); got "
+                             f"{batch.dtype} {batch.shape}")  # fmt: skip
+        with torch.inference_mode():
+            tokens = torch.from_numpy(batch).to(self.device)
+            out: np.ndarray = self.module.encode_text(tokens).float().cpu().numpy()
+        return out
+
+    def warmup(self, batch_sizes: Sequence[int]) -> None:
+        for n in batch_sizes:
+            self.run(np.zeros((n, self.context_length), dtype=np.int64))
+
+    def memory(self) -> int | None:
+        return None  # counted with the image executor on the same device
+
+    def close(self) -> None:
+        del self.module

@@ -1,0 +1,65 @@
+"""Tensors on the wire as (dtype, shape, bytes): validated before any allocation, never unpickled.
+
+Layouts follow `GET /info`: uint8 NHWC at the model's input size, or normalised float16/float32
+NCHW. The returned array is a zero-copy view of the request body.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from clipserve.errors import InvalidTensor, TooManyItems
+
+DTYPES = {"uint8": np.uint8, "float16": np.float16, "float32": np.float32}
+MAX_DIM = 1 << 20  # far above any real dimension; stops absurd shapes before arithmetic
+
+
+def parse_shape(raw: str) -> list[int]:
+    """'2,224,224,3' (a header) → [2, 224, 224, 3]."""
+    try:
+        return [int(part) for part in raw.replace(" ", "").strip("[]()").split(",") if part]
+    except ValueError:
+        raise InvalidTensor(f"shape {raw!r} is not a comma-separated list of integers") from None
+
+
+def expected_layout(dtype: str, size: tuple[int, int]) -> tuple[int, int, int]:
+    h, w = size
+    return (h, w, 3) if dtype == "uint8" else (3, h, w)
+
+
+def parse_tensor(
+    dtype: str, shape: Sequence[object], data: bytes, size: tuple[int, int], max_items: int
+) -> np.ndarray:
+    if dtype not in DTYPES:
+        raise InvalidTensor(f"dtype {dtype!r} is not supported; use uint8, float16 or float32")
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise InvalidTensor(f"shape {list(shape)} must hold integers")
+    dims = [int(d) for d in shape]  # type: ignore[call-overload]
+    if len(dims) != 4:
+        raise InvalidTensor(f"shape {dims} has rank {len(dims)}; expected 4 (a batch of images)")
+    if any(d < 0 or d > MAX_DIM for d in dims):
+        raise InvalidTensor(f"shape {dims} has a negative or absurd dimension")
+    n, rest = dims[0], tuple(dims[1:])
+    if n == 0:
+        raise InvalidTensor("the tensor holds no images (batch dimension 0)")
+    if n > max_items:
+        raise TooManyItems(f"{n} images in one request; the limit is {max_items} "
+                           "(--max-items-per-request)")  # fmt: skip
+    layout = expected_layout(dtype, size)
+    if rest != layout:
+        kind = "NHWC" if dtype == "uint8" else "NCHW"
+        raise InvalidTensor(
+            f"shape {dims} does not fit the model: {dtype} tensors are {kind} "
+            f"[N, {', '.join(map(str, layout))}] (see GET /info)"
+        )
+    itemsize = np.dtype(DTYPES[dtype]).itemsize
+    expected = math.prod(dims) * itemsize
+    if len(data) != expected:
+        raise InvalidTensor(f"shape {dims} of {dtype} needs {expected} bytes; got {len(data)}")
+    array = np.frombuffer(data, dtype=DTYPES[dtype]).reshape(dims)
+    if dtype != "uint8" and not np.isfinite(array).all():
+        raise InvalidTensor("the tensor holds NaN or infinite values")
+    return array

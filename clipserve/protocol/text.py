@@ -1,0 +1,38 @@
+"""Text requests: {"texts": [...]} in JSON or msgpack."""
+
+from __future__ import annotations
+
+import orjson
+
+from clipserve.errors import InvalidBody, InvalidText, TextTooLong, TooManyTexts
+from clipserve.protocol.media import JSON, media_type
+from clipserve.protocol.requests import MSGPACK_TYPES, check_media_type, unpack_msgpack
+
+TEXT_TYPES = (JSON, *MSGPACK_TYPES)
+
+
+def parse_texts(content_type: str, body: bytes, max_texts: int, max_chars: int) -> list[str]:
+    media = media_type(content_type)
+    check_media_type(media, TEXT_TYPES)
+    if media == JSON:
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as e:
+            raise InvalidBody(f"malformed JSON body ({e})") from None
+    else:
+        doc = unpack_msgpack(body)
+    if not isinstance(doc, dict) or not isinstance(doc.get("texts"), list):
+        raise InvalidBody('the body must be {"texts": ["...", ...]}')
+    texts: list[str] = doc["texts"]
+    if not texts:
+        raise InvalidText('"texts" is empty')
+    if len(texts) > max_texts:
+        raise TooManyTexts(f"{len(texts)} texts in one request; the limit is {max_texts} "
+                           "(--max-items-per-request)")  # fmt: skip
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise InvalidText(f"item {index}: expected a string, got {type(text).__name__}")
+        if len(text) > max_chars:
+            raise TextTooLong(f"item {index}: {len(text)} characters; the limit is {max_chars} "
+                              "(--max-text-chars)")  # fmt: skip
+    return texts
