@@ -29,6 +29,8 @@ class Request:
     body: bytes
     content_type: str
     accept: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)  # e.g. X-Tensor-Dtype, X-Tensor-Shape
+    path: str = "/embed"
 
 
 @dataclass
@@ -79,7 +81,7 @@ class _Recorder:
         self.timed = 0
 
     async def send(self, session: aiohttp.ClientSession, url: str, req: Request, t0: float) -> None:
-        headers = {"Content-Type": req.content_type, "Accept": req.accept}
+        headers = {"Content-Type": req.content_type, "Accept": req.accept, **req.headers}
         try:
             async with session.post(url, data=req.body, headers=headers) as r:
                 await r.read()
@@ -120,7 +122,7 @@ async def run_load(
 
             async def client() -> None:
                 while time.perf_counter() < end:
-                    await rec.send(session, url + "/embed", request, time.perf_counter())
+                    await rec.send(session, url + request.path, request, time.perf_counter())
 
             await asyncio.gather(*(client() for _ in range(concurrency)))
         else:
