@@ -246,6 +246,10 @@ async def info(request: Request) -> Response:
                 "max_queue_size": b.max_queue_size,
                 "max_queue_delay_ms": b.max_queue_delay_ms,
             },
+            "text": {
+                "context_length": model.context_length,
+                "max_text_chars": state.config.limits.max_text_chars,
+            },
             "limits": {
                 "max_body_bytes": state.config.limits.max_body_bytes,
                 "max_image_pixels": state.config.limits.max_image_pixels,

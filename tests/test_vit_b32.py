@@ -49,3 +49,25 @@ def test_vit_b32_served_matches_open_clip(tmp_path: Path) -> None:
         with torch.inference_mode():
             ref = model.encode_image(transform(Image.open(io.BytesIO(data)))[None], normalize=True)
         assert float(np.dot(r.json()["embedding"], ref[0].numpy())) >= 0.999
+
+
+def test_vit_b32_onnx_export_matches_pytorch(tmp_path: Path) -> None:
+    """The real architecture through the exporter and ONNX Runtime (its attention blocks are
+    where export problems show up), against PyTorch FP32."""
+    from clipserve.backends.base import normalise_numpy
+    from clipserve.backends.registry import create_executor
+
+    config = load_config(
+        {"model": "ViT-B-32", "pretrained": "none", "backend": "ort-cpu", "gpus": "cpu",
+         "max_batch_size": "4", "cache_dir": str(tmp_path)}, environ={},
+    )  # fmt: skip
+    from clipserve.model import load_model
+
+    model = load_model(config.model)
+    executor = create_executor("ort-cpu", model, config, "cpu")
+    x = np.random.default_rng(0).integers(0, 256, (4, 224, 224, 3), dtype=np.uint8)
+    got = executor.run(x)
+    with torch.inference_mode():
+        want = model.module.visual(torch.from_numpy(normalise_numpy(x, model.preprocess))).numpy()
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cos.min() >= 0.99999
