@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.common import add_model_flags, describe_model, machine, model_flags, utc_now
 from clipserve.config import load_config
 from clipserve.runtime import build_runtime
 
@@ -53,11 +52,8 @@ def measure(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="ViT-B-32")
-    parser.add_argument("--pretrained", default="none")
-    parser.add_argument("--checkpoint")
+    add_model_flags(parser)
     parser.add_argument("--backends", default="torch,ort-cpu,torch+compile")
-    parser.add_argument("--gpus", default="cpu")
     parser.add_argument("--sizes", default="1,2,4,8,16,32,64,128,256")
     parser.add_argument("--min-time", type=float, default=2.0)
     parser.add_argument("--min-runs", type=int, default=3)
@@ -67,11 +63,8 @@ def main() -> None:
     results = []
     for variant in args.backends.split(","):
         backend, _, extra = variant.partition("+")
-        flags = {"model": args.model, "pretrained": args.pretrained, "backend": backend,
-                 "gpus": args.gpus, "max_batch_size": str(max(sizes)),
+        flags = {**model_flags(args), "backend": backend, "max_batch_size": str(max(sizes)),
                  "max_queue_size": str(max(sizes)), "max_items_per_request": "1"}  # fmt: skip
-        if args.checkpoint:
-            flags["checkpoint"] = args.checkpoint
         if extra == "compile":
             flags["compile"] = "true"
         elif extra:
@@ -90,11 +83,11 @@ def main() -> None:
                         "rows": rows})  # fmt: skip
     doc = {
         "benchmark": "executors",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+        "machine": machine(),
         "device": args.gpus,
-        "model": f"{args.model} ({args.checkpoint or args.pretrained})",
+        "model": describe_model(args),
         "input": "uint8 NHWC 224x224, normalised on the executor's device",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "time": utc_now(),
         "results": results,
     }
     out = args.out or Path(f"bench/results/executors-{args.gpus.replace(',', '_')}.json")

@@ -14,8 +14,6 @@ import argparse
 import asyncio
 import base64
 import json
-import os
-import platform
 import signal
 import statistics
 import time
@@ -27,6 +25,7 @@ import msgpack
 import numpy as np
 import orjson
 
+from bench.common import machine, utc_now
 from bench.images import jpeg
 from bench.loadgen import Request, run_load
 from bench.served_vs_offline import start_server
@@ -174,13 +173,13 @@ def main() -> None:
         model = served([*common, "--backend", "torch"], chosen, 32, args.duration * 2, args.port)
     doc = {
         "benchmark": "protocols",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+        "machine": machine(),
         "input": f"640x480 JPEG q90 (list formats: {N} images per request)",
         "response_bytes_per_image": response_sizes(),
         "in_process": in_process,
         "served_fake_backend": fake,
         "served_vit_b32_cpu": model,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "time": utc_now(),
     }
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}")

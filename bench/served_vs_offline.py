@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -27,6 +25,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.common import add_model_flags, describe_model, machine, model_flags, utc_now
 from bench.images import jpeg
 from bench.loadgen import Request, run_load
 from clipserve.config import load_config
@@ -94,11 +93,8 @@ def start_server(args: list[str], port: int) -> subprocess.Popen[bytes]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="ViT-B-32")
-    parser.add_argument("--pretrained", default="none")
-    parser.add_argument("--checkpoint")
+    add_model_flags(parser)
     parser.add_argument("--backend", default="torch")
-    parser.add_argument("--gpus", default="cpu")
     parser.add_argument("--precision")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--duration", type=float, default=20.0)
@@ -109,10 +105,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    flags = {"model": args.model, "pretrained": args.pretrained, "backend": args.backend,
-             "gpus": args.gpus, "max_batch_size": "32"}  # fmt: skip
-    if args.checkpoint:
-        flags["checkpoint"] = args.checkpoint
+    flags = {**model_flags(args), "backend": args.backend, "max_batch_size": "32"}
     if args.precision:
         flags["precision"] = args.precision
     server_args = [a for k, v in flags.items() for a in ("--" + k.replace("_", "-"), v)]
@@ -166,15 +159,15 @@ def main() -> None:
     print(json.dumps(summary, indent=2))
     result_doc = {
         "benchmark": "served_vs_offline",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+        "machine": machine(),
         "device": args.gpus,
-        "model": f"{args.model} ({args.checkpoint or args.pretrained})",
+        "model": describe_model(args),
         "input": "640x480 JPEG q90",
         "server_flags": server_args,
         "executor": offline.executor,
         "summary_medians": summary,
         "rounds": rounds,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "time": utc_now(),
     }
     out = args.out or Path(f"bench/results/served_vs_offline-{args.backend}-{args.gpus}.json")
     out.write_text(json.dumps(result_doc, indent=2) + "\n")
