@@ -24,7 +24,12 @@ from clipserve.errors import (
 )
 from clipserve.metrics import Metrics
 from clipserve.protocol.media import media_type, negotiate
-from clipserve.protocol.requests import REQUEST_TYPES, check_media_type, parse_body
+from clipserve.protocol.requests import (
+    IMAGE_TYPES,
+    REQUEST_TYPES,
+    check_media_type,
+    parse_body,
+)
 from clipserve.protocol.responses import RESPONSE_TYPES, encode_embeddings, out_dtype
 from clipserve.protocol.text import TEXT_TYPES, parse_texts
 from clipserve.runtime import Runtime
@@ -185,9 +190,13 @@ async def _serve(request: Request, batcher: Batcher, parse: Parser,
 
 async def _image_job(state: ServerState, headers: Mapping[str, str], body: bytes) -> Job:
     tensor_headers = {k: headers[k] for k in ("x-tensor-dtype", "x-tensor-shape") if k in headers}
-    payload = await in_pool(state, parse_body, headers.get("content-type", ""), tensor_headers,
-                            body, state.runtime.model.preprocess.size,
-                            state.config.limits.max_items_per_request)  # fmt: skip
+    content_type = headers.get("content-type", "")
+    args = (content_type, tensor_headers, body, state.runtime.model.preprocess.size,
+            state.config.limits.max_items_per_request)  # fmt: skip
+    if media_type(content_type) in IMAGE_TYPES:
+        payload = parse_body(*args)  # one encoded image: nothing to parse, no hop to the pool
+    else:
+        payload = await in_pool(state, parse_body, *args)
     tensor = payload.tensor
     if tensor is not None:
 
