@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -48,7 +49,7 @@ class ServerState:
     batcher: Batcher
     text_batcher: Batcher
     metrics: Metrics
-    decode_pool: Any  # concurrent.futures.ThreadPoolExecutor
+    decode_pool: ThreadPoolExecutor
 
 
 class ClientGone(Exception):

@@ -95,6 +95,9 @@ def test_response_formats(server: RunningServer) -> None:
     assert half.headers["x-embedding-dtype"] == "float16" and len(half.content) == 2 * 32 * 2
     np.testing.assert_allclose(np.frombuffer(half.content, "<f2").reshape(2, 32), as_json,
                                atol=2e-3)  # fmt: skip
+    json_half = embeddings(post(server, body, headers, "/embed?dtype=float16"))
+    np.testing.assert_allclose(json_half, as_json, atol=2e-3)
+    assert not np.array_equal(json_half, as_json)  # really rounded to float16
     single = post(server, png_bytes(pixels[0]), {"Content-Type": "image/png",
                                                  "Accept": "application/msgpack"})  # fmt: skip
     assert msgpack.unpackb(single.content)["embedding"]["shape"] == [32]
