@@ -63,6 +63,9 @@ async def _domain_error(request: Request, exc: Exception) -> Response:
     status = status_for(exc)
     message = exc.message if status < 500 or status == 503 or status == 504 else "internal error"
     response = _error_response(request, status, exc.code, message)
+    timer = getattr(request.state, "timer", None)
+    if timer is not None and timer.stages:
+        response.headers["Server-Timing"] = timer.header()
     if isinstance(exc, errors.Overloaded):
         response.headers["Retry-After"] = str(exc.retry_after_s)
     return response

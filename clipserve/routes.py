@@ -158,7 +158,7 @@ async def _serve(request: Request, batcher: Batcher, parse: Parser,
     response_type = negotiate(request.headers.get("accept"), RESPONSE_TYPES)
     normalize = _flag(request, "normalize", True)
     dtype = out_dtype(request.query_params.get("dtype"))
-    timer = StageTimer()
+    timer = request.state.timer = StageTimer()  # error responses report the stages done too
     try:
         async with asyncio.timeout(limits.request_timeout_s):
             with timer.measure("receive"):

@@ -147,6 +147,8 @@ def test_error_table(
     assert r.headers["content-type"] == "application/json"
     error = r.json()["error"]
     assert error["code"] == code and error["message"]
+    if code == "invalid_image":  # failed after receiving and decoding: those stages are timed
+        assert {"receive", "decode"} <= set(re.findall(r"(\w+);dur=", r.headers["server-timing"]))
     # a bad request never takes the server down with it
     small = png_bytes(np.full((64, 64, 3), 90, dtype=np.uint8))  # fits every limit above
     assert post(server, small).status_code == 200
