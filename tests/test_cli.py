@@ -181,3 +181,12 @@ def test_readme_configuration_table_lists_every_option() -> None:
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     for option in iter_options():
         assert f"| `{option.flag}` | `{option.env}` |" in readme, option.flag
+
+
+def test_boolean_option_from_flag_and_env() -> None:
+    assert build_parser().parse_args(["--compile"]).compile == "true"
+    assert load_config({"compile": "true"}, {}).backend.compile is True
+    assert load_config({}, {"CLIPSERVE_COMPILE": "yes"}).backend.compile is True
+    assert load_config({}, {"CLIPSERVE_COMPILE": "0"}).backend.compile is False
+    with pytest.raises(ConfigError, match="--compile"):
+        load_config({}, {"CLIPSERVE_COMPILE": "maybe"})
