@@ -61,7 +61,7 @@ def _error_response(request: Request, status: int, code: str, message: str) -> R
 async def _domain_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, errors.ClipserveError)
     status = status_for(exc)
-    message = exc.message if status < 500 or status == 503 or status == 504 else "internal error"
+    message = "internal error" if status == 500 else exc.message  # 500s stay opaque
     response = _error_response(request, status, exc.code, message)
     timer = getattr(request.state, "timer", None)
     if timer is not None and timer.stages:

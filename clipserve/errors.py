@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 
 class ClipserveError(Exception):
     """Base of every error a client may see; `code` is the stable machine-readable name."""
@@ -104,8 +106,7 @@ class ConfigError(StartupError):
 
 def with_item_index(error: ClipserveError, index: int) -> ClipserveError:
     """The same error, its message prefixed with the position of the bad item in a list."""
-    located = type(error).__new__(type(error))
-    located.__dict__.update(error.__dict__)
+    located = copy.copy(error)
     located.message = f"item {index}: {error.message}"
     located.args = (located.message,)
     return located
