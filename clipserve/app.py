@@ -54,7 +54,7 @@ def status_for(error: errors.ClipserveError) -> int:
     return 500
 
 
-def _error_response(request: Request, status: int, code: str, message: str) -> Response:
+def _error_response(status: int, code: str, message: str) -> Response:
     return Response(encode_error(code, message), status, media_type="application/json")
 
 
@@ -62,7 +62,7 @@ async def _domain_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, errors.ClipserveError)
     status = status_for(exc)
     message = "internal error" if status == 500 else exc.message  # 500s stay opaque
-    response = _error_response(request, status, exc.code, message)
+    response = _error_response(status, exc.code, message)
     timer = getattr(request.state, "timer", None)
     if timer is not None and timer.stages:
         response.headers["Server-Timing"] = timer.header()
@@ -72,13 +72,13 @@ async def _domain_error(request: Request, exc: Exception) -> Response:
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
-    return _error_response(request, CLIENT_CLOSED, "client_closed", "client closed the request")
+    return _error_response(CLIENT_CLOSED, "client_closed", "client closed the request")
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.error("unhandled error, request id %s", getattr(request.state, "request_id", "?"),
               exc_info=exc)  # fmt: skip
-    return _error_response(request, 500, "internal", "internal error")
+    return _error_response(500, "internal", "internal error")
 
 
 class RequestObserver:

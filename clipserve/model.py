@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -30,6 +31,16 @@ class LoadedModel:
     @property
     def identity(self) -> str:
         return f"{self.name}/{self.weights_id}"
+
+    @functools.cached_property
+    def visual_digest(self) -> str:
+        """A hash of the image tower's weights themselves (so random weights never reuse an
+        export); computed once per loaded model, however many devices ask."""
+        h = hashlib.sha256()
+        for name, tensor in sorted(self.module.visual.state_dict().items()):
+            h.update(name.encode())
+            h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
 
 
 def file_digest(path: Path, length: int = 12) -> str:

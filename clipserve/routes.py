@@ -135,8 +135,8 @@ class Job:
 Parser = Callable[[ServerState, Mapping[str, str], bytes], Awaitable[Job]]
 
 
-async def _run(state: ServerState, request: Request, batcher: Batcher, job: Job,
-               timer: StageTimer, normalize: bool) -> Completed:  # fmt: skip
+async def _run(request: Request, batcher: Batcher, job: Job, timer: StageTimer,
+               normalize: bool) -> Completed:  # fmt: skip
     ticket = batcher.admit(job.count)  # before decoding: the backlog stays bounded
     try:
         with timer.measure("decode"):
@@ -165,7 +165,7 @@ async def _serve(request: Request, batcher: Batcher, parse: Parser,
                 body = await read_body(request, limits.max_body_bytes)
             with timer.measure("decode"):  # parsing the body counts as decoding
                 job = await parse(state, request.headers, body)
-            completed = await _run(state, request, batcher, job, timer, normalize)
+            completed = await _run(request, batcher, job, timer, normalize)
     except TimeoutError:
         raise RequestTimeout(
             f"request took longer than {limits.request_timeout_s} s (--request-timeout-s)"

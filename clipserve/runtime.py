@@ -50,11 +50,23 @@ class Runtime:
         return max(1, cores // 8) if self.on_cpu else cores
 
     def close(self) -> None:
-        for executors in (self.executors, self.text_executors):
-            for executor, thread in zip(executors, self.threads, strict=False):
-                thread.submit(executor.close).result()
-        for thread in self.threads:
-            thread.shutdown(wait=True)
+        _close(self.executors, self.text_executors, self.threads, wait=True)
+
+
+def _close(
+    executors: list[Executor],
+    text_executors: list[Executor],
+    threads: list[ThreadPoolExecutor],
+    *,
+    wait: bool,
+) -> None:
+    """Close each executor on its own device's thread (executors[i] and text_executors[i] run on
+    threads[i]; either list may be short after a failed build), then stop the threads."""
+    for built in (executors, text_executors):
+        for executor, thread in zip(built, threads, strict=False):
+            thread.submit(executor.close).result()
+    for thread in threads:
+        thread.shutdown(wait=wait)
 
 
 def _build_executor(
@@ -101,11 +113,7 @@ def build_runtime(config: ServerConfig) -> Runtime:
                 thread.submit(_build_text_executor, model, config, device).result()
             )
     except BaseException:
-        for built in (executors, text_executors):
-            for executor, thread in zip(built, threads, strict=False):
-                thread.submit(executor.close).result()
-        for thread in threads:
-            thread.shutdown(wait=False)
+        _close(executors, text_executors, threads, wait=False)
         raise
     decoder = ImageDecoder(model.preprocess, config.limits.max_image_pixels)
     return Runtime(model, backend, executors, text_executors, threads, decoder)

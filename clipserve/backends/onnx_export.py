@@ -46,15 +46,6 @@ class ExportedModel:
     precision: str
 
 
-def weights_digest(model: LoadedModel) -> str:
-    """A hash of the image tower's weights themselves, so random weights never reuse an export."""
-    h = hashlib.sha256()
-    for name, tensor in sorted(model.module.visual.state_dict().items()):
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 def library_versions() -> dict[str, str]:
     import onnx
     import onnxruntime
@@ -207,7 +198,7 @@ def export(model: LoadedModel, directory: Path, precision: str) -> ExportedModel
 
 def cached_export(model: LoadedModel, cache_dir: Path, precision: str) -> ExportedModel:
     """The export for these weights, library versions and precision: reused if present."""
-    directory = cache_dir / "onnx" / cache_key(model, weights_digest(model))
+    directory = cache_dir / "onnx" / cache_key(model, model.visual_digest)
     image = directory / f"image-{precision}.onnx"
     normalize = directory / f"normalize-{precision}.onnx"
     if image.is_file() and normalize.is_file():

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from clipserve.backends.base import ExecutorInfo, check_batch, warmup_sizes
+from clipserve.backends.base import ExecutorInfo, check_batch
 from clipserve.backends.onnx_export import (
     INPUT,
     OUTPUT,
@@ -284,6 +284,3 @@ def available_cuda(device: str) -> bool:
 
 def available_trt(device: str) -> bool:
     return _available("ort-trt", device)
-
-
-__all__ = ["OrtExecutor", "warmup_sizes"]

@@ -38,7 +38,6 @@ class Batcher:
         threads: Sequence[ThreadPoolExecutor | None] | None = None,
         kind: str = "image",
     ) -> None:
-        self.config = config
         self.admission = Admission(config.max_queue_size)
         self.queue = BatchQueue()
         self.workers = [

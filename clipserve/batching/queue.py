@@ -9,7 +9,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -58,7 +58,6 @@ class WorkItem:
     enqueued_at: float  # time.perf_counter()
     started_at: float = 0.0
     finished_at: float = 0.0
-    device: str = field(default="")
 
     @property
     def kind(self) -> tuple[str, tuple[int, ...]]:

@@ -52,7 +52,6 @@ class DeviceWorker:
         )
         self._task: asyncio.Task[None] | None = None
         self.error: str | None = None
-        self.busy = 0  # images computing now
 
     @property
     def alive(self) -> bool:
@@ -94,10 +93,8 @@ class DeviceWorker:
         started = time.perf_counter()
         for item in batch:
             item.started_at = started
-            item.device = self.device
             item.ticket.release(1)
         mask = np.array([item.normalize for item in batch])
-        self.busy = len(batch)
         try:
             out = await loop.run_in_executor(
                 self._thread, self._compute, [item.array for item in batch], mask
@@ -108,8 +105,6 @@ class DeviceWorker:
         except Exception:
             self._fail(batch, "executor error")
             return
-        finally:
-            self.busy = 0
         finished = time.perf_counter()
         self.metrics.observe_batch(self.device, len(batch), finished - started, self.kind)
         for item, row in zip(batch, out, strict=True):

@@ -12,10 +12,10 @@ import msgpack
 import numpy as np
 import orjson
 
-from clipserve.errors import InvalidBody, TooManyItems, UnsupportedMediaType
+from clipserve.errors import InvalidBody, UnsupportedMediaType
 from clipserve.protocol.media import media_type
 from clipserve.protocol.multipart import parse_files
-from clipserve.protocol.tensors import parse_shape, parse_tensor
+from clipserve.protocol.tensors import check_count, parse_shape, parse_tensor
 
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp")
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
@@ -50,9 +50,7 @@ def check_media_type(media: str, accepted: tuple[str, ...] = REQUEST_TYPES) -> N
 
 
 def _count(n: int, max_items: int) -> None:
-    if n > max_items:
-        raise TooManyItems(f"{n} images in one request; the limit is {max_items} "
-                           "(--max-items-per-request)")  # fmt: skip
+    check_count(n, max_items)
     if n == 0:
         raise InvalidBody("the request holds no images")
 

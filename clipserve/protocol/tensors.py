@@ -17,6 +17,12 @@ DTYPES = {"uint8": np.uint8, "float16": np.float16, "float32": np.float32}
 MAX_DIM = 1 << 20  # far above any real dimension; stops absurd shapes before arithmetic
 
 
+def check_count(n: int, max_items: int) -> None:
+    if n > max_items:
+        raise TooManyItems(f"{n} images in one request; the limit is {max_items} "
+                           "(--max-items-per-request)")  # fmt: skip
+
+
 def parse_shape(raw: str) -> list[int]:
     """'2,224,224,3' (a header) → [2, 224, 224, 3]."""
     try:
@@ -45,9 +51,7 @@ def parse_tensor(
     n, rest = dims[0], tuple(dims[1:])
     if n == 0:
         raise InvalidTensor("the tensor holds no images (batch dimension 0)")
-    if n > max_items:
-        raise TooManyItems(f"{n} images in one request; the limit is {max_items} "
-                           "(--max-items-per-request)")  # fmt: skip
+    check_count(n, max_items)
     layout = expected_layout(dtype, size)
     if rest != layout:
         kind = "NHWC" if dtype == "uint8" else "NCHW"
