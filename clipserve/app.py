@@ -6,21 +6,23 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from clipserve import errors, routes
+from clipserve import errors, kserve_api, openai_api, routes
 from clipserve.batching import Batcher
 from clipserve.config import ServerConfig
 from clipserve.metrics import Metrics
+from clipserve.pipeline import ClientGone, Pipeline
 from clipserve.protocol.responses import encode_error
 from clipserve.runtime import Runtime, build_runtime
 
@@ -39,12 +41,16 @@ STATUS: dict[type[errors.ClipserveError], int] = {
     errors.UnsupportedMediaType: 415,
     errors.NotAcceptable: 406,
     errors.InvalidParameter: 422,
+    errors.ModelNotFound: 404,
     errors.Overloaded: 503,
     errors.NotReady: 503,
+    errors.InvalidHeader: 400,
     errors.RequestTimeout: 504,
     errors.ExecutorFailed: 500,
+    errors.NonFiniteEmbedding: 422,
 }
 CLIENT_CLOSED = 499  # nginx's code for "client closed request"; nobody reads the body
+MAX_REQUEST_ID = 128
 
 
 def status_for(error: errors.ClipserveError) -> int:
@@ -54,63 +60,127 @@ def status_for(error: errors.ClipserveError) -> int:
     return 500
 
 
-def _error_response(status: int, code: str, message: str) -> Response:
+ErrorRenderer = Callable[[int, str, str], Response]  # (status, code, message) → response
+
+
+def native_error(status: int, code: str, message: str) -> Response:
     return Response(encode_error(code, message), status, media_type="application/json")
+
+
+# Route families that answer errors in their own ecosystem's shape, by path prefix; every other
+# path answers clipserve's {"error": {"code", "message"}}.
+ERROR_STYLES: tuple[tuple[str, ErrorRenderer], ...] = (
+    ("/v1/", openai_api.render_error),
+    ("/v2", kserve_api.render_error),
+)
+
+
+def error_response(path: str, status: int, code: str, message: str) -> Response:
+    for prefix, render in ERROR_STYLES:
+        if path.startswith(prefix):
+            return render(status, code, message)
+    return native_error(status, code, message)
 
 
 async def _domain_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, errors.ClipserveError)
     status = status_for(exc)
     message = "internal error" if status == 500 else exc.message  # 500s stay opaque
-    response = _error_response(status, exc.code, message)
+    response = error_response(request.url.path, status, exc.code, message)
     timer = getattr(request.state, "timer", None)
     if timer is not None and timer.stages:
         response.headers["Server-Timing"] = timer.header()
-    if isinstance(exc, errors.Overloaded):
-        response.headers["Retry-After"] = str(exc.retry_after_s)
+    retry_after = getattr(exc, "retry_after_s", None)
+    if retry_after is not None:
+        response.headers["Retry-After"] = str(retry_after)
+    return response
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404/405 (no route, wrong method) in the same JSON shape as the rest."""
+    assert isinstance(exc, HTTPException)
+    code = _HTTP_CODES.get(exc.status_code, "http_error")
+    message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
+    response = error_response(request.url.path, exc.status_code, code, message)
+    response.headers.update(exc.headers or {})  # 405 carries Allow
     return response
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
-    return _error_response(CLIENT_CLOSED, "client_closed", "client closed the request")
+    return native_error(CLIENT_CLOSED, "client_closed", "client closed the request")
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.error("unhandled error, request id %s", getattr(request.state, "request_id", "?"),
               exc_info=exc)  # fmt: skip
-    return _error_response(500, "internal", "internal error")
+    return error_response(request.url.path, 500, "internal", "internal error")
+
+
+def _valid_request_id(raw: bytes) -> bool:
+    """Visible ASCII only: it is echoed in a header and written to logs as it came."""
+    return 0 < len(raw) <= MAX_REQUEST_ID and all(0x21 <= b <= 0x7E for b in raw)
 
 
 class RequestObserver:
-    """Assigns a request id and counts every response by route and status, errors included."""
+    """The outermost layer of every request: assigns or checks the request id, adds
+    `X-Request-Id` and `Server-Timing` (with the total) to every answer, counts every response by
+    route and status, and answers 503 `shutting_down` to requests the drain timeout cancels."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, routes: set[str]) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
-        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
-        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:64] or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-        route = scope["path"] if scope["path"] in self.routes else "other"
-        status = 500
         t0 = time.perf_counter()
+        sent_id = dict(scope["headers"]).get(b"x-request-id")
+        valid_id = sent_id is None or _valid_request_id(sent_id)
+        request_id = sent_id.decode("ascii") if sent_id and valid_id else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        status, started = 500, False
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+                status, started = message["status"], True
+                total = f"total;dur={(time.perf_counter() - t0) * 1000:.3f}"
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"server-timing"]
+                timing = [v for k, v in message.get("headers", []) if k == b"server-timing"]
+                stages = b", ".join([*timing, total.encode()])
+                message["headers"] = [
+                    *headers, (b"x-request-id", request_id.encode()), (b"server-timing", stages)
+                ]  # fmt: skip
             await send(message)
 
+        async def answer(status: int, code: str, message: str, retry_after: int | None) -> None:
+            response = error_response(scope["path"], status, code, message)
+            if retry_after is not None:
+                response.headers["Retry-After"] = str(retry_after)
+            await response(scope, receive, send_wrapper)
+
         try:
+            if not valid_id:
+                await answer(400, errors.InvalidHeader.code,
+                             f"X-Request-Id must be 1 to {MAX_REQUEST_ID} visible ASCII "
+                             "characters", None)  # fmt: skip
+                return
             await self.app(scope, receive, send_wrapper)
+        except asyncio.CancelledError:
+            # uvicorn cancels what is still running when --drain-timeout-s expires.
+            if started:
+                raise
+            log.warning("request %s cancelled: drain timeout expired", request_id)
+            await answer(503, errors.ShuttingDown.code,
+                         "server is shutting down; retry on another replica",
+                         errors.ShuttingDown.retry_after_s)  # fmt: skip
         finally:
+            # The matched route's template (one label for /v2/models/{name}/infer), else other.
+            route = getattr(scope.get("route"), "path", "other")
             self.metrics.requests.labels(route, str(status)).inc()
             self.metrics.request_duration.labels(route).observe(time.perf_counter() - t0)
 
@@ -128,7 +198,7 @@ def create_app(
     metrics = Metrics(registry)
 
     @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, routes.ServerState]]:
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Pipeline]]:
         rt: Runtime = (
             runtime if runtime is not None else await asyncio.to_thread(build_runtime, config)
         )
@@ -147,7 +217,7 @@ def create_app(
         )
         batcher.start()
         text_batcher.start()
-        app.state.server = routes.ServerState(config, rt, batcher, text_batcher, metrics, pool)
+        app.state.server = Pipeline(config, rt, batcher, text_batcher, metrics, pool)
         log.info("serving %s with %s on %s", rt.model.identity, rt.backend,
                  ", ".join(ex.info.device for ex in rt.executors))  # fmt: skip
         try:
@@ -157,7 +227,6 @@ def create_app(
             pool.shutdown(wait=True)
             rt.close()
 
-    paths = {"/embed", "/embed/text", "/info", "/healthz", "/readyz", "/metrics"}
     app = Starlette(
         routes=[
             Route("/embed", routes.embed, methods=["POST"]),
@@ -166,14 +235,18 @@ def create_app(
             Route("/healthz", routes.healthz, methods=["GET"]),
             Route("/readyz", routes.readyz, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
+            # Other ecosystems' protocols: their own routes, through the same pipeline.
+            *openai_api.ROUTES,
+            *kserve_api.ROUTES,
         ],
         exception_handlers={
             errors.ClipserveError: _domain_error,
-            routes.ClientGone: _client_gone,
+            HTTPException: _http_error,
+            ClientGone: _client_gone,
             ClientDisconnect: _client_gone,
             Exception: _unexpected,
         },
         lifespan=lifespan,
     )
-    app.add_middleware(RequestObserver, metrics=metrics, routes=paths)
+    app.add_middleware(RequestObserver, metrics=metrics)
     return app

@@ -90,26 +90,16 @@ def _drain_on_signal_server() -> type:
 
 
 def serve(config: ServerConfig) -> int:
-    import uvicorn
-
     from clipserve.app import create_app
+    from clipserve.http_server import build_uvicorn_config, ensure_fd_limit
     from clipserve.runtime import build_runtime
 
     # Built before uvicorn starts so a failure is one line and a non-zero exit, not a traceback
     # from inside the lifespan protocol.
     runtime = build_runtime(config)
     app = create_app(config, runtime=runtime)
-    server = _drain_on_signal_server()(
-        uvicorn.Config(
-            app,
-            host=config.http.host,
-            port=config.http.port,
-            log_level=config.http.log_level,
-            timeout_graceful_shutdown=int(config.http.drain_timeout_s) or None,
-            access_log=False,
-            server_header=False,
-        )
-    )
+    ensure_fd_limit(config.http.max_connections)
+    server = _drain_on_signal_server()(build_uvicorn_config(app, config.http))
     server.run()
     return 0
 

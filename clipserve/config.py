@@ -71,6 +71,9 @@ class BatchingConfig:
 class LimitsConfig:
     request_timeout_s: float = _opt(30.0, "whole-request deadline, receiving the body included")
     max_body_bytes: int = _opt(32 * 1024 * 1024, "largest request body")
+    max_body_bytes_in_flight: int = _opt(
+        256 * 1024 * 1024, "most bytes of request bodies held in memory at once; more get 503"
+    )
     max_image_pixels: int = _opt(40_000_000, "largest decoded image (width x height)")
     max_items_per_request: int = _opt(64, "most images in one request")
     max_text_chars: int = _opt(1000, "longest text in characters for /embed/text")
@@ -85,6 +88,17 @@ class HttpConfig:
     port: int = _opt(8000, "port to listen on")
     log_level: str = _opt("info", "log level", choices=LOG_LEVELS)
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, how long in-flight requests may finish")
+    max_connections: int = _opt(
+        1000, "most open client connections; more are answered 503 at once and closed"
+    )
+    max_header_bytes: int = _opt(65536, "most bytes of request line and headers; more get 431")
+    header_timeout_s: float = _opt(
+        10.0, "a request's headers must arrive within this; idle or slower connections are closed"
+    )
+    keep_alive_timeout_s: float = _opt(5.0, "an idle kept-alive connection is closed after this")
+    linger_timeout_s: float = _opt(
+        5.0, "after answering before the body is read, how long to read and drop the rest"
+    )
 
 
 @dataclass(frozen=True)
@@ -203,6 +217,11 @@ def validate(config: ServerConfig) -> None:
     _require(b.max_queue_delay_ms >= 0, "max_queue_delay_ms", "must not be negative")
     _require(lim.request_timeout_s > 0, "request_timeout_s", "must be positive")
     _require(lim.max_body_bytes >= 1024, "max_body_bytes", "must be at least 1024")
+    _require(
+        lim.max_body_bytes_in_flight >= lim.max_body_bytes,
+        "max_body_bytes_in_flight",
+        f"must be at least --max-body-bytes ({lim.max_body_bytes})",
+    )
     _require(lim.max_image_pixels >= 1, "max_image_pixels", "must be positive")
     _require(lim.max_text_chars >= 1, "max_text_chars", "must be at least 1")
     _require(lim.max_items_per_request >= 1, "max_items_per_request", "must be at least 1")
@@ -233,6 +252,11 @@ def validate(config: ServerConfig) -> None:
     _require(0 <= h.port <= 65535, "port", "must be in 0..65535")
     _require(h.log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
     _require(h.drain_timeout_s >= 0, "drain_timeout_s", "must not be negative")
+    _require(h.max_connections >= 1, "max_connections", "must be at least 1")
+    _require(h.max_header_bytes >= 1024, "max_header_bytes", "must be at least 1024")
+    _require(h.header_timeout_s > 0, "header_timeout_s", "must be positive")
+    _require(h.keep_alive_timeout_s > 0, "keep_alive_timeout_s", "must be positive")
+    _require(h.linger_timeout_s >= 0, "linger_timeout_s", "must not be negative (0 = close at once)")
 
 
 def resolve_workers(requested: int) -> int:

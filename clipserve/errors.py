@@ -45,6 +45,12 @@ class InvalidParameter(ClipserveError):
     code = "invalid_parameter"
 
 
+class ModelNotFound(ClipserveError):
+    """A request named a model this server does not serve (OpenAI and KServe routes)."""
+
+    code = "model_not_found"
+
+
 class PayloadTooLarge(ClipserveError):
     code = "payload_too_large"
 
@@ -75,8 +81,22 @@ class Overloaded(ClipserveError):
         self.retry_after_s = retry_after_s
 
 
+class InvalidHeader(ClipserveError):
+    code = "invalid_header"
+
+
 class NotReady(ClipserveError):
+    """No worker can take the request now; the client should retry after `retry_after_s`."""
+
     code = "not_ready"
+    retry_after_s = 5
+
+
+class ShuttingDown(NotReady):
+    """The drain timeout expired before this request finished; another replica can answer."""
+
+    code = "shutting_down"
+    retry_after_s = 1
 
 
 class RequestTimeout(ClipserveError):
@@ -87,6 +107,12 @@ class ExecutorFailed(ClipserveError):
     """The executor raised while running a batch; the detail is logged, never sent."""
 
     code = "internal"
+
+
+class NonFiniteEmbedding(ClipserveError):
+    """The model's output for this input holds NaN or infinity: refused, never sent as 200."""
+
+    code = "non_finite_embedding"
 
 
 class ExecutorFatal(Exception):

@@ -77,6 +77,14 @@ class Metrics:
         self.batch_failures = Counter(
             "clipserve_batch_failures", "Batches failed by the executor", ["device"], registry=r
         )
+        self.batch_retries = Counter(
+            "clipserve_batch_retries", "Sub-batches run again after a batch failed (bisection)",
+            ["device"], registry=r,
+        )  # fmt: skip
+        self.expired_items = Counter(
+            "clipserve_expired_items", "Queued items dropped unstarted: their deadline came first",
+            ["kind"], registry=r,
+        )  # fmt: skip
         self.request_bytes = Counter(
             "clipserve_request_bytes", "Request body bytes", ["protocol"], registry=r
         )
@@ -92,6 +100,10 @@ class Metrics:
         self.batch_size.observe(size)
         self.batch_duration.labels(device).observe(seconds)
         self.items.inc(size)
+
+    def count_items(self, n: int, kind: str = "image") -> None:
+        """Items computed by a batch that is not observed whole (part of it failed)."""
+        (self.text_items if kind == "text" else self.items).inc(n)
 
     def add_scrape_time_gauges(
         self,

@@ -9,6 +9,7 @@ Normalisation is not done here: it happens on the executor's device.
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,11 @@ _RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.B
 DRAFT_MARGIN = 1
 # Pillow's reduce-then-resample shortcut; 3.0 is where its docs call results indistinguishable.
 REDUCING_GAP = 3.0
+# open_clip resizes the whole image, then crops. We do the same (pixel-exact) while the resized
+# image stays within this many pixels (aspect ratios up to ~80:1 at 224); beyond, only the
+# region the crop keeps is resized, so tall or thin images cannot allocate gigabytes.
+MAX_RESIZED_PIXELS = 1 << 22
+DEFAULT_MAX_DECODE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,37 @@ class PreprocessSpec:
         return spec
 
 
+def raster_bytes(img: Image.Image) -> int:
+    """Bytes Pillow holds for `img`'s pixels: 1 per pixel for 1/L/P, 2 for I;16, else 4."""
+    width, height = img.size
+    mode = img.mode
+    per_pixel = 1 if mode in ("1", "L", "P") else 2 if mode.startswith("I;16") else 4
+    return width * height * per_pixel
+
+
+def decode_bytes(img: Image.Image, full_size: tuple[int, int] | None = None) -> int:
+    """Estimated peak bytes to decode and resize `img` (opened, not loaded; JPEG draft set,
+    `full_size` its size before the draft).
+
+    Measured on Pillow 13 (6000 x 6666 images): PNG and baseline JPEG hold the raster once;
+    progressive JPEG also holds every DCT coefficient of the full-size image (2 bytes each, 3
+    per pixel at 4:2:0, whatever the draft scale); WebP holds the raster four times over
+    (libwebp's canvas, the frame bytes, Pillow's copy). Resizing LA/RGBA premultiplies a copy.
+    """
+    raster = raster_bytes(img)
+    total = raster * (4 if img.format == "WEBP" else 1)
+    if img.mode in ("LA", "RGBA"):
+        total += raster
+    layers = getattr(img, "layer", None)
+    if img.format == "JPEG" and img.info.get("progressive") and layers:
+        full_w, full_h = full_size or img.size
+        h_max = max(h for _, h, _, _ in layers)
+        v_max = max(v for _, _, v, _ in layers)
+        samples = sum(h * v for _, h, v, _ in layers) / (h_max * v_max)
+        total += int(full_w * full_h * samples * 2)
+    return total
+
+
 def resized_size(width: int, height: int, spec: PreprocessSpec) -> tuple[int, int]:
     """(width, height) after the resize step, with torchvision's integer rounding."""
     th, tw = spec.size
@@ -73,11 +110,24 @@ def center_box(width: int, height: int, spec: PreprocessSpec) -> tuple[int, int,
 
 
 class ImageDecoder:
-    """Encoded image bytes → uint8 (H, W, 3) crop. Thread-safe; Pillow releases the GIL."""
+    """Encoded image bytes → uint8 (H, W, 3) crop. Thread-safe; Pillow releases the GIL.
 
-    def __init__(self, spec: PreprocessSpec, max_pixels: int, *, fast: bool = True) -> None:
+    What one decode may allocate is bounded from the header, before any pixel is decoded:
+    `max_pixels` (width x height) and `max_bytes` (`decode_bytes`: the decoded mode's bytes per
+    pixel, times the copies the format's decoder and the resize make).
+    """
+
+    def __init__(
+        self,
+        spec: PreprocessSpec,
+        max_pixels: int,
+        *,
+        max_bytes: int = DEFAULT_MAX_DECODE_BYTES,
+        fast: bool = True,
+    ) -> None:
         self.spec = spec
         self.max_pixels = max_pixels
+        self.max_bytes = max_bytes
         self.fast = fast
         self._resample = _RESAMPLE[spec.interpolation]
 
@@ -90,7 +140,7 @@ class ImageDecoder:
             raise InvalidImage("not a JPEG, PNG or WebP image") from None
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
             raise ImageTooLarge("image dimensions exceed the decoder's safety limit") from None
-        except (OSError, ValueError, SyntaxError) as e:
+        except (OSError, ValueError, SyntaxError, EOFError) as e:
             raise InvalidImage(f"unreadable image header ({e})") from None
         width, height = img.size
         if width * height > self.max_pixels:  # checked from the header, before any decode
@@ -105,20 +155,61 @@ class ImageDecoder:
         except (OSError, ValueError, SyntaxError, EOFError) as e:
             raise InvalidImage(f"truncated or corrupt image data ({e})") from None
 
+    def _check_bytes(self, needed: int, img: Image.Image, why: str = "") -> None:
+        if needed > self.max_bytes:
+            width, height = img.size
+            raise ImageTooLarge(
+                f"decoding this {width}x{height} {img.format} image ({img.mode}{why}) takes "
+                f"about {needed >> 20} MiB; the limit is {self.max_bytes >> 20} MiB "
+                "(--max-decode-bytes)"
+            )
+
     def _crop(self, img: Image.Image) -> np.ndarray:
         spec = self.spec
+        full_size = img.size
         if self.fast and img.format == "JPEG":
             target = max(spec.size) * DRAFT_MARGIN
             img.draft(None, (target, target))  # both sides stay >= target; EXIF swaps are safe
+        self._check_bytes(decode_bytes(img, full_size), img)
         img.load()
         if img.getexif().get(ExifTags.Base.Orientation, 1) != 1:
+            # The transposed copy sits beside the decoded image until the function returns.
+            needed = decode_bytes(img, full_size) + raster_bytes(img)
+            self._check_bytes(needed, img, ", EXIF-rotated")
             img = ImageOps.exif_transpose(img)
         width, height = img.size
         size = resized_size(width, height, spec)
-        gap = REDUCING_GAP if self.fast else None
-        img = img.resize(size, self._resample, reducing_gap=gap)
-        if img.size != (spec.size[1], spec.size[0]):
-            img = img.crop(center_box(*img.size, spec))
+        # Pillow's reduce() has no 16-bit modes; without it the result is open_clip's exactly.
+        gap = REDUCING_GAP if self.fast and not img.mode.startswith("I;16") else None
+        if size[0] * size[1] <= MAX_RESIZED_PIXELS:
+            img = img.resize(size, self._resample, reducing_gap=gap)
+            if img.size != (spec.size[1], spec.size[0]):
+                img = img.crop(center_box(*img.size, spec))
+        else:
+            img = self._resize_crop_box(img, size, gap)
         if img.mode != "RGB":
-            img = img.convert("RGB")
+            img = img.convert("RGB")  # as open_clip's transform does, after the crop
         return np.asarray(img, dtype=np.uint8)
+
+    def _resize_crop_box(
+        self, img: Image.Image, size: tuple[int, int], gap: float | None
+    ) -> Image.Image:
+        """Resize only the source region the centre crop keeps (plus the filter's reach).
+
+        open_clip resizes the whole image first: for a 1 x 40,000,000 image that is 224 x
+        8,960,000,000 pixels. The region gives the same crop up to Pillow's float32 box
+        coordinates (within the fast path's tolerance), in memory bounded by the crop size.
+        """
+        th, tw = self.spec.size
+        width, height = img.size
+        left, top, right, bottom = center_box(*size, self.spec)
+        sx, sy = width / size[0], height / size[1]
+        box = (left * sx, top * sy, right * sx, bottom * sy)
+        # Bicubic reads 2 source pixels either side per output pixel when upscaling, 2 x scale
+        # when downscaling; one more for rounding.
+        mx, my = math.ceil(2 * max(sx, 1.0)) + 1, math.ceil(2 * max(sy, 1.0)) + 1
+        x0, y0 = max(0, int(box[0]) - mx), max(0, int(box[1]) - my)
+        x1, y1 = min(width, math.ceil(box[2]) + mx), min(height, math.ceil(box[3]) + my)
+        region = img.crop((x0, y0, x1, y1))
+        shifted = (box[0] - x0, box[1] - y0, box[2] - x0, box[3] - y0)
+        return region.resize((tw, th), self._resample, box=shifted, reducing_gap=gap)

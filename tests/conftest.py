@@ -22,7 +22,8 @@ from prometheus_client import CollectorRegistry
 
 from clipserve.app import create_app
 from clipserve.config import ServerConfig, load_config
-from clipserve.routes import ServerState
+from clipserve.http_server import build_uvicorn_config
+from clipserve.pipeline import Pipeline
 
 TINY_CONFIG = {
     "embed_dim": 32,
@@ -102,7 +103,7 @@ class RunningServer:
     config: ServerConfig
 
     @property
-    def state(self) -> ServerState:
+    def state(self) -> Pipeline:
         return self.app.state.server  # type: ignore[no-any-return]
 
 
@@ -110,9 +111,10 @@ class RunningServer:
 def running(config: ServerConfig) -> Iterator[RunningServer]:
     """Real uvicorn on a free loopback port, in a thread of this process."""
     app = create_app(config, registry=CollectorRegistry())
+    # The CLI's own uvicorn settings (connection limits included), on a free port.
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning",
-                       timeout_graceful_shutdown=5)
+        build_uvicorn_config(app, config.http, host="127.0.0.1", port=free_port(),
+                             log_level="warning", timeout_graceful_shutdown=5)
     )  # fmt: skip
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -11,9 +12,17 @@ import pytest
 
 from clipserve.backends.fake import FakeExecutor
 from clipserve.batching import Batcher
+from clipserve.batching.cost import CostModel
 from clipserve.batching.queue import Admission
+from clipserve.batching.worker import l2_normalise_rows
 from clipserve.config import BatchingConfig
-from clipserve.errors import ExecutorFailed, NotReady, Overloaded
+from clipserve.errors import (
+    ExecutorFailed,
+    NonFiniteEmbedding,
+    NotReady,
+    Overloaded,
+    RequestTimeout,
+)
 from clipserve.metrics import Metrics
 from clipserve.preprocess import PreprocessSpec
 
@@ -33,12 +42,13 @@ def run(
     max_batch_size: int = 8,
     max_queue_size: int = 64,
     delay_ms: float = 0.0,
+    metrics: Metrics | None = None,
     **fake: Any,
 ) -> Any:
     async def main() -> Any:
         fakes = [FakeExecutor(SPEC, 16, f"sim:{i}", **fake) for i in range(executors)]
         config = BatchingConfig(max_batch_size, max_queue_size, delay_ms)
-        batcher = Batcher(fakes, config, Metrics())
+        batcher = Batcher(fakes, config, metrics or Metrics())
         batcher.start()
         try:
             return await test(batcher, fakes)
@@ -48,9 +58,13 @@ def run(
     return asyncio.run(main())
 
 
-async def submit(batcher: Batcher, *marks: int, normalize: bool = False) -> np.ndarray:
-    ticket = batcher.admit(len(marks))
-    done = await batcher.run(ticket, [image(m) for m in marks], normalize=normalize, request_id="t")
+async def submit(
+    batcher: Batcher, *marks: int, normalize: bool = False, timeout_s: float | None = None
+) -> np.ndarray:
+    deadline = None if timeout_s is None else time.perf_counter() + timeout_s
+    ticket = batcher.admit(len(marks), deadline)
+    arrays = [image(m) for m in marks]
+    done = await batcher.run(ticket, arrays, normalize=normalize, request_id="t", deadline=deadline)
     return done.embeddings
 
 
@@ -132,22 +146,71 @@ def test_cancelled_request_is_dropped_before_it_runs() -> None:
     run(test, latency_ms=100)
 
 
-def test_executor_failure_fails_exactly_its_batch_and_the_worker_keeps_serving() -> None:
+def test_poisoned_item_fails_alone_and_its_batch_neighbours_are_answered() -> None:
+    metrics = Metrics()
+
     async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
         first = asyncio.create_task(submit(batcher, 1))
         await asyncio.sleep(0.02)
-        poisoned = asyncio.create_task(submit(batcher, 7))  # batch 2: [7, 8]
-        neighbour = asyncio.create_task(submit(batcher, 8))
+        poisoned = asyncio.create_task(submit(batcher, 7))  # batch 2: [7, 8, 9]
+        neighbours = [asyncio.create_task(submit(batcher, m)) for m in (8, 9)]
         await asyncio.sleep(0.01)
         assert (await first).shape == (1, 16)
         with pytest.raises(ExecutorFailed):
             await poisoned
-        with pytest.raises(ExecutorFailed):
-            await neighbour
+        for mark, task in zip((8, 9), neighbours, strict=True):
+            np.testing.assert_allclose(await task, expected(fakes[0], mark), rtol=1e-5)
+        # [7, 8, 9] failed, then [7] failed and [8, 9] ran: two retries, one failed batch
+        assert fakes[0].attempts == [1, 3, 1, 2]
+        assert metrics.batch_retries.labels("sim:0")._value.get() == 2
+        assert metrics.batch_failures.labels("sim:0")._value.get() == 1
+        assert metrics.items._value.get() == 3  # computed: 1, 8 and 9
         np.testing.assert_allclose(await submit(batcher, 9), expected(fakes[0], 9), rtol=1e-5)
         assert batcher.all_alive
 
-    run(test, latency_ms=50, fail_pixel=7)
+    run(test, latency_ms=50, fail_pixel=7, metrics=metrics)
+
+
+def test_out_of_memory_splits_the_batch_until_it_fits() -> None:
+    async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
+        outs = await asyncio.gather(*(submit(batcher, m) for m in range(10, 15)))
+        for mark, out in zip(range(10, 15), outs, strict=True):
+            np.testing.assert_allclose(out, expected(fakes[0], mark), rtol=1e-5)
+        assert fakes[0].attempts[0] == 5 and max(fakes[0].batches) <= 2
+        assert fakes[0].items_run == 5
+
+    run(test, oom_above=2, delay_ms=100)
+
+
+def test_splitting_is_bounded_when_every_item_fails() -> None:
+    async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
+        results = await asyncio.gather(*(submit(batcher, 7) for _ in range(4)),
+                                       return_exceptions=True)  # fmt: skip
+        assert all(isinstance(r, ExecutorFailed) for r in results)
+        assert fakes[0].attempts == [4, 2, 1, 1, 2, 1, 1]  # 4 → halves → single items
+
+    run(test, fail_pixel=7, delay_ms=100)
+
+
+def test_non_finite_row_fails_only_its_item() -> None:
+    async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
+        bad, good = await asyncio.gather(submit(batcher, 5), submit(batcher, 6),
+                                         return_exceptions=True)  # fmt: skip
+        assert isinstance(bad, NonFiniteEmbedding)
+        assert "non-finite" in bad.message
+        np.testing.assert_allclose(good, expected(fakes[0], 6), rtol=1e-5)
+        assert fakes[0].batches == [2]  # one batch: the row, not the batch, was refused
+        with pytest.raises(NonFiniteEmbedding, match="item 1: "):
+            await submit(batcher, 6, 5, 6)  # in a list, the error names the item
+
+    run(test, nan_pixel=5, delay_ms=50)
+
+
+def test_huge_finite_outputs_normalise_to_unit_length() -> None:
+    out = np.full((2, 4), 3e38, dtype=np.float32)  # squares overflow float32
+    normed = l2_normalise_rows(out, np.array([True, False]))
+    np.testing.assert_allclose(normed[0], [0.5, 0.5, 0.5, 0.5], rtol=1e-6)
+    assert (normed[1] == out[1]).all()
 
 
 def test_fatal_executor_error_kills_the_worker_and_fails_queued_work() -> None:
@@ -215,3 +278,109 @@ def test_admission_bounds_images_waiting_and_frees_them() -> None:
     t2.release_all()
     t2.release_all()  # idempotent
     assert admission.used == 0
+
+
+def test_cost_model_learns_fixed_and_per_item_cost() -> None:
+    cost = CostModel()
+    assert cost.seconds(8) == 0.0  # nothing measured: no estimate
+    cost.observe(4, 0.04)
+    assert cost.seconds(8) == pytest.approx(0.08)  # one size seen: proportional
+    for n in (1, 2, 4, 8, 16, 32) * 5:
+        cost.observe(n, 0.010 + 0.002 * n)
+    assert cost.seconds(64) == pytest.approx(0.010 + 0.002 * 64, rel=0.05)
+    assert cost.seconds(1) == pytest.approx(0.012, rel=0.1)
+
+
+async def measured(batcher: Batcher) -> None:
+    """One batch run to completion, so every worker's cost estimate is measured."""
+    await asyncio.gather(*(submit(batcher, 1) for _ in batcher.workers))
+    assert all(w.cost.ready for w in batcher.workers)
+
+
+def test_admission_refuses_fast_with_retry_after_when_the_queue_cannot_drain_in_time() -> None:
+    async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
+        await measured(batcher)  # 100 ms per image
+        queued = [asyncio.create_task(submit(batcher, m)) for m in range(10, 16)]
+        await asyncio.sleep(0.02)
+        ahead = batcher.admission.used  # 6 queued, less the 2 computing
+        assert batcher.estimated_wait_s(1) == pytest.approx(0.1 * (ahead + 1) + 0.2, abs=0.06)
+        t0 = time.perf_counter()
+        with pytest.raises(Overloaded) as refused:
+            batcher.admit(1, time.perf_counter() + 0.4)
+        assert time.perf_counter() - t0 < 0.005
+        assert refused.value.retry_after_s >= 1
+        assert "deadline" in refused.value.message
+        assert batcher.admission.used == ahead  # nothing was reserved for it
+        batcher.admit(1, time.perf_counter() + 5.0).release_all()  # a later deadline fits
+        await asyncio.gather(*queued)
+        assert sum(fakes[0].batches) == 7  # the refused image never ran
+
+    run(test, max_batch_size=2, per_item_ms=100)
+
+
+def test_estimated_wait_spreads_the_queue_over_live_workers() -> None:
+    async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
+        await measured(batcher)
+        assert batcher.estimated_wait_s(4) == pytest.approx(4 * 0.05 / 2, rel=0.3)
+
+    run(test, executors=2, max_batch_size=1, per_item_ms=50)
+
+
+def test_cold_start_admits_before_anything_is_measured() -> None:
+    async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
+        busy = [asyncio.create_task(submit(batcher, m)) for m in (1, 2, 3)]
+        await asyncio.sleep(0.02)
+        assert batcher.estimated_wait_s(1) == 0.0
+        batcher.admit(1, time.perf_counter() + 0.01).release_all()  # no estimate: admitted
+        await asyncio.gather(*busy)
+
+    run(test, latency_ms=100)
+
+
+def test_expired_items_never_reach_the_executor() -> None:
+    metrics = Metrics()
+
+    async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
+        first = asyncio.create_task(submit(batcher, 1))  # computing for 200 ms, unmeasured
+        await asyncio.sleep(0.02)
+        with pytest.raises(RequestTimeout):
+            await submit(batcher, 2, 3, timeout_s=0.05)
+        await first
+        await submit(batcher, 4)
+        assert fakes[0].attempts == [1, 1]  # items 2 and 3 never ran
+        assert batcher.depth() == 0 and batcher.admission.used == 0
+
+    run(test, latency_ms=200, metrics=metrics)
+
+
+def test_items_that_cannot_finish_in_time_make_way_for_those_that_can() -> None:
+    metrics = Metrics()
+
+    async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
+        await measured(batcher)  # 200 ms per batch
+        first = asyncio.create_task(submit(batcher, 2))
+        await asyncio.sleep(0.02)
+        # admitted without a deadline, so only the scheduler can refuse to start it
+        t0 = time.perf_counter()
+        ticket = batcher.admit(1)
+        doomed = batcher.run(ticket, [image(3)], normalize=False, request_id="d",
+                             deadline=t0 + 0.3)  # fmt: skip
+        fine = asyncio.create_task(submit(batcher, 4))
+        with pytest.raises(RequestTimeout, match="too close"):
+            await doomed
+        assert time.perf_counter() - t0 < 0.3  # dropped when the worker came to it, early
+        await asyncio.gather(first, fine)
+        assert fakes[0].attempts == [1, 1, 1]  # 1, 2, 4: item 3 never ran
+        assert metrics.expired_items.labels("image")._value.get() == 1
+
+    run(test, latency_ms=200, metrics=metrics)
+
+
+def test_an_idle_worker_still_runs_work_its_estimate_calls_too_slow() -> None:
+    async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
+        await measured(batcher)  # 200 ms per batch
+        with pytest.raises(RequestTimeout):
+            await submit(batcher, 5, timeout_s=0.1)  # admitted: nothing is ahead of it
+        assert fakes[0].attempts == [1, 1]  # it ran: a stale estimate gets measured again
+
+    run(test, latency_ms=200)

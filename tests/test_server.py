@@ -78,7 +78,7 @@ def test_each_image_format_is_served(serve: Serve, fmt: str) -> None:
 def test_every_response_carries_server_timing_for_each_stage(serve: Serve) -> None:
     r = post(serve(), marked_png(1))
     stages = dict(re.findall(r"(\w+);dur=([0-9.]+)", r.headers["server-timing"]))
-    assert set(stages) == {"receive", "decode", "queue", "compute", "encode"}
+    assert set(stages) == {"receive", "decode", "queue", "compute", "encode", "total"}
     assert float(stages["compute"]) > 0
     assert r.headers["x-request-id"]
 
@@ -230,9 +230,12 @@ def test_dead_worker_turns_readyz_false(serve: Serve) -> None:
     ready = httpx.get(server.url + "/readyz")
     assert ready.status_code == 503
     assert ready.json()["workers"]["sim:0"].startswith("dead")
-    assert httpx.get(server.url + "/healthz").status_code == 200  # alive, but not ready
+    health = httpx.get(server.url + "/healthz")  # no image worker left: liveness fails too
+    assert health.status_code == 503
+    assert health.json() == {"status": "failing", "reason": "image tower: no live worker"}
     r = post(server, marked_png(1))
     assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+    assert r.headers["Retry-After"] == "5"
     assert metric(server, 'clipserve_worker_alive{device="sim:0"}') == 0
 
 

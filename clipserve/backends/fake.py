@@ -6,6 +6,8 @@ GPU. Options (`--backend-option KEY=VALUE`):
   per_item_ms      extra sleep per image
   fail_pixel       raise for a batch holding an image whose top-left red value equals this
   fatal_pixel      as fail_pixel, but raise ExecutorFatal (the device is lost)
+  nan_pixel        the embedding of an image whose top-left red value equals this is all NaN
+  oom_above        raise an out-of-memory RuntimeError, as torch does, for batches larger than this
 Each `sim:N` device in `--gpus` gets its own instance, so multi-worker dispatch runs anywhere.
 """
 
@@ -44,17 +46,22 @@ class FakeExecutor:
         per_item_ms: float = 0.0,
         fail_pixel: int | None = None,
         fatal_pixel: int | None = None,
+        nan_pixel: int | None = None,
+        oom_above: int | None = None,
     ) -> None:
         self.spec = spec
         self.latency_s = latency_ms / 1000
         self.per_item_s = per_item_ms / 1000
         self.fail_pixel = fail_pixel
         self.fatal_pixel = fatal_pixel
+        self.nan_pixel = nan_pixel
+        self.oom_above = oom_above
         self.info = ExecutorInfo("fake", device, "fp32", spec.size, embed_dim)
         rng = np.random.default_rng(0)
         self._proj = rng.standard_normal((3 * _GRID * _GRID, embed_dim)).astype(np.float32)
         self._lock = threading.Lock()
         self.batches: list[int] = []  # sizes of the batches run, in order (tests read this)
+        self.attempts: list[int] = []  # sizes of every call to run(), failed ones included
         self.closed = False
 
     @property
@@ -84,6 +91,8 @@ class FakeExecutor:
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         check_batch(batch, self.spec)
+        with self._lock:
+            self.attempts.append(len(batch))
         time.sleep(self.latency_s + self.per_item_s * len(batch))
         if batch.dtype == np.uint8:
             marks = batch[:, 0, 0, 0].tolist()
@@ -91,9 +100,13 @@ class FakeExecutor:
                 raise ExecutorFatal(f"simulated device loss on {self.info.device}")
             if self.fail_pixel is not None and self.fail_pixel in marks:
                 raise RuntimeError(f"simulated executor failure on {self.info.device}")
+        if self.oom_above is not None and len(batch) > self.oom_above:
+            raise RuntimeError(f"CUDA out of memory (simulated on {self.info.device})")
         with self._lock:
             self.batches.append(len(batch))
         out: np.ndarray = self.features(batch) @ self._proj
+        if self.nan_pixel is not None and batch.dtype == np.uint8:
+            out[batch[:, 0, 0, 0] == self.nan_pixel] = np.nan
         return out
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
@@ -119,10 +132,12 @@ def _number(options: dict[str, str], key: str) -> float | None:
 
 def create(model: LoadedModel, config: ServerConfig, device: str) -> FakeExecutor:
     options = config.backend.options()
-    unknown = set(options) - {"latency_ms", "per_item_ms", "fail_pixel", "fatal_pixel"}
+    known = {"latency_ms", "per_item_ms", "fail_pixel", "fatal_pixel", "nan_pixel", "oom_above"}
+    unknown = set(options) - known
     if unknown:
         raise StartupError(f"--backend-option: the fake backend has no option {sorted(unknown)}")
     fail, fatal = _number(options, "fail_pixel"), _number(options, "fatal_pixel")
+    nan, oom = _number(options, "nan_pixel"), _number(options, "oom_above")
     return FakeExecutor(
         model.preprocess,
         model.embed_dim,
@@ -131,4 +146,6 @@ def create(model: LoadedModel, config: ServerConfig, device: str) -> FakeExecuto
         per_item_ms=_number(options, "per_item_ms") or 0.0,
         fail_pixel=None if fail is None else int(fail),
         fatal_pixel=None if fatal is None else int(fatal),
+        nan_pixel=None if nan is None else int(nan),
+        oom_above=None if oom is None else int(oom),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,13 @@ from clipserve.backends.base import Executor
 from clipserve.batching.queue import Admission, BatchQueue, Ticket, WorkItem
 from clipserve.batching.worker import DeviceWorker
 from clipserve.config import BatchingConfig
-from clipserve.errors import NotReady
+from clipserve.errors import (
+    NonFiniteEmbedding,
+    NotReady,
+    Overloaded,
+    RequestTimeout,
+    with_item_index,
+)
 from clipserve.metrics import Metrics
 
 
@@ -38,8 +45,9 @@ class Batcher:
         threads: Sequence[ThreadPoolExecutor | None] | None = None,
         kind: str = "image",
     ) -> None:
+        self.max_batch_size = config.max_batch_size
         self.admission = Admission(config.max_queue_size)
-        self.queue = BatchQueue()
+        self.queue = BatchQueue(on_expired=metrics.expired_items.labels(kind).inc)
         self.workers = [
             DeviceWorker(
                 ex,
@@ -77,30 +85,93 @@ class Batcher:
     def depth(self) -> int:
         return len(self.queue)
 
-    def admit(self, n: int) -> Ticket:
-        """Reserve room for n images, or raise Overloaded. Call before decoding."""
+    def _drain(self, n: int) -> tuple[float, float, float]:
+        """(seconds until the live workers are free, seconds to compute n images after that,
+        seconds of one batch of the size they would run), from each worker's measured costs.
+        O(workers): nothing here looks at the queue."""
+        live = [w for w in self.workers if w.alive]
+        measured = [w.cost for w in live if w.cost.ready]
+        if not measured or n <= 0:
+            return 0.0, 0.0, 0.0
+        size = min(self.max_batch_size, math.ceil(n / len(live)))
+        # A worker not measured yet is assumed to be as fast as the average measured one.
+        default = sum(c.seconds(size) for c in measured) / len(measured)
+        batch_s = [w.cost.seconds(size) if w.cost.ready else default for w in live]
+        rate = sum(size / s for s in batch_s if s > 0)  # images per second, all workers
+        if rate <= 0:
+            return 0.0, 0.0, 0.0
+        now = time.perf_counter()
+        busy = sum(w.remaining_s(now) for w in live) / len(live)
+        return busy, n / rate, max(batch_s)
+
+    def estimated_wait_s(self, n: int) -> float:
+        """Seconds until n more images would be computed, behind every image admitted before
+        them; 0 until a batch has been measured."""
+        busy, compute, _ = self._drain(self.admission.used + n)
+        return busy + compute
+
+    def admit(self, n: int, deadline: float | None = None) -> Ticket:
+        """Reserve room for n images, or raise Overloaded. Call before decoding.
+
+        `deadline` is a `time.perf_counter()` time. A request that would wait behind others
+        past it (with one batch's time to spare for noise) is refused now, not computed late.
+        """
         if not self.alive:
             raise NotReady("no executor worker is alive")
-        return self.admission.admit(n)
+        if not self.admission.fits(n):
+            _, overflow_s, _ = self._drain(self.admission.used + n - self.admission.capacity)
+            return self.admission.admit(n, deadline, _retry_after(overflow_s))
+        if deadline is not None and (self.admission.used or self._busy()):
+            busy, compute, margin = self._drain(self.admission.used + n)
+            late_s = time.perf_counter() + busy + compute + margin - deadline
+            if late_s > 0:
+                raise Overloaded(
+                    f"the queue ahead would take {busy + compute:.2f} s, past this request's "
+                    "deadline; retry later",
+                    _retry_after(late_s),
+                )
+        return self.admission.admit(n, deadline)
+
+    def _busy(self) -> bool:
+        return any(w.running is not None for w in self.workers)
 
     async def run(
-        self, ticket: Ticket, arrays: Sequence[np.ndarray], *, normalize: bool, request_id: str
+        self,
+        ticket: Ticket,
+        arrays: Sequence[np.ndarray],
+        *,
+        normalize: bool,
+        request_id: str,
+        deadline: float | None = None,
     ) -> Completed:
-        """Queue the arrays and wait for their embeddings. Cancelling drops unstarted items."""
+        """Queue the arrays and wait for their embeddings. Cancelling drops unstarted items.
+
+        Past `deadline` (`time.perf_counter()`; the ticket's by default) this raises
+        RequestTimeout; items that had not started by then never reach the executor.
+        """
         if not self.alive:
             raise NotReady("no executor worker is alive")
+        deadline = ticket.deadline if deadline is None else deadline
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
         items = [
-            WorkItem(a, normalize, request_id, loop.create_future(), ticket, now) for a in arrays
+            WorkItem(a, normalize, request_id, loop.create_future(), ticket, now, deadline)
+            for a in arrays
         ]
         await self.queue.put(items)
         try:
-            rows = await asyncio.gather(*(item.future for item in items))
-        except BaseException:
+            async with asyncio.timeout(None if deadline is None else deadline - now):
+                rows = await asyncio.gather(*(item.future for item in items))
+        except BaseException as exc:
             for item in items:
-                item.future.cancel()
+                if not item.future.cancel() and not item.future.cancelled():
+                    item.future.exception()  # retrieved: asyncio logs none as never retrieved
             self.queue.discard(items)
+            if isinstance(exc, TimeoutError):
+                raise RequestTimeout("deadline passed before the images were computed") from None
+            if isinstance(exc, NonFiniteEmbedding) and len(items) > 1:
+                index = next(i for i, it in enumerate(items) if _failed_with(it, exc))
+                raise with_item_index(exc, index) from None
             raise
         finally:
             ticket.release_all()
@@ -109,3 +180,13 @@ class Batcher:
             queue_s=max(item.started_at - item.enqueued_at for item in items),
             compute_s=max(item.finished_at - item.started_at for item in items),
         )
+
+
+def _failed_with(item: WorkItem, exc: BaseException) -> bool:
+    future = item.future
+    return future.done() and not future.cancelled() and future.exception() is exc
+
+
+def _retry_after(seconds: float) -> int:
+    """Retry-After in whole seconds, at least 1."""
+    return max(1, math.ceil(seconds))

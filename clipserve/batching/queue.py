@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
-from clipserve.errors import Overloaded
+from clipserve.errors import Overloaded, RequestTimeout
 
 
 class Admission:
@@ -23,13 +23,18 @@ class Admission:
         self.capacity = capacity
         self.used = 0
 
-    def admit(self, n: int) -> Ticket:
-        if self.used + n > self.capacity:
+    def fits(self, n: int) -> bool:
+        return self.used + n <= self.capacity
+
+    def admit(self, n: int, deadline: float | None = None, retry_after_s: int = 1) -> Ticket:
+        if not self.fits(n):
             raise Overloaded(
-                f"server queue is full ({self.used} of {self.capacity} images waiting); retry later"
+                f"server queue is full ({self.used} of {self.capacity} images waiting); "
+                "retry later",
+                retry_after_s,
             )
         self.used += n
-        return Ticket(self, n)
+        return Ticket(self, n, deadline)
 
 
 @dataclass(eq=False)
@@ -38,6 +43,7 @@ class Ticket:
 
     admission: Admission
     held: int
+    deadline: float | None = None  # time.perf_counter() by which the request must be answered
 
     def release(self, n: int = 1) -> None:
         n = min(n, self.held)
@@ -56,6 +62,7 @@ class WorkItem:
     future: asyncio.Future[np.ndarray]
     ticket: Ticket
     enqueued_at: float  # time.perf_counter()
+    deadline: float | None = None  # time.perf_counter(); past it the item is dropped unstarted
     started_at: float = 0.0
     finished_at: float = 0.0
 
@@ -65,12 +72,17 @@ class WorkItem:
         return (self.array.dtype.str, self.array.shape)
 
 
+def _no_cost(n: int) -> float:
+    return 0.0
+
+
 class BatchQueue:
     """FIFO of work items shared by every device worker of one model."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_expired: Callable[[int], None] = lambda n: None) -> None:
         self._items: deque[WorkItem] = deque()
         self._cond = asyncio.Condition()
+        self.on_expired = on_expired  # told how many items were dropped for their deadline
 
     def __len__(self) -> int:
         return len(self._items)
@@ -98,25 +110,55 @@ class BatchQueue:
     def _live(self) -> int:
         return sum(1 for item in self._items if not item.future.done())
 
-    def _pop(self, max_n: int) -> list[WorkItem]:
-        """Up to max_n live items of the oldest item's kind, in arrival order."""
+    def _expire(self, items: list[WorkItem], why: str) -> None:
+        for item in items:
+            item.ticket.release(1)
+            if not item.future.done():
+                item.future.set_exception(RequestTimeout(why))
+        if items:
+            self.on_expired(len(items))
+
+    def _pop(self, max_n: int, batch_seconds: Callable[[int], float]) -> list[WorkItem]:
+        """Up to max_n live items of the oldest item's kind, in arrival order.
+
+        Items whose deadline has passed are dropped. So are items that would finish after their
+        deadline if started now (by `batch_seconds`, the worker's estimate), but only when other
+        items fill the batch instead: an idle device computes even a doomed item, which keeps
+        its cost estimate measured rather than stuck at a value that refuses everything.
+        """
         self._prune()
         if not self._items:
             return []
+        now = time.perf_counter()
+        finish_by = now + batch_seconds(min(max_n, len(self._items)))
         kind = self._items[0].kind
         batch: list[WorkItem] = []
+        doomed: list[WorkItem] = []
+        passed: list[WorkItem] = []
         rest: deque[WorkItem] = deque()
         for item in self._items:
             if item.future.done():
                 continue
-            if len(batch) < max_n and item.kind == kind:
+            if item.deadline is not None and item.deadline <= now:
+                passed.append(item)
+            elif item.kind == kind and item.deadline is not None and item.deadline < finish_by:
+                doomed.append(item)
+            elif len(batch) < max_n and item.kind == kind:
                 batch.append(item)
             else:
                 rest.append(item)
+        if batch:
+            self._expire(doomed, "deadline too close to compute the request in time")
+        else:
+            batch = doomed[:max_n]
+            rest.extendleft(reversed(doomed[max_n:]))
+        self._expire(passed, "deadline passed while the request was queued")
         self._items = rest
         return batch
 
-    async def take(self, max_n: int, max_delay_s: float) -> list[WorkItem]:
+    async def take(
+        self, max_n: int, max_delay_s: float, batch_seconds: Callable[[int], float] = _no_cost
+    ) -> list[WorkItem]:
         """Wait for work; with a delay, wait up to that long after the oldest item for max_n."""
         async with self._cond:
             while True:
@@ -131,6 +173,6 @@ class BatchQueue:
                             await self._cond.wait_for(lambda: self._live() >= max_n)
                     except TimeoutError:
                         pass
-                batch = self._pop(max_n)
+                batch = self._pop(max_n, batch_seconds)
                 if batch:
                     return batch

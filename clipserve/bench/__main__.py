@@ -1,0 +1,5 @@
+import sys
+
+from clipserve.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,168 @@
+"""A load point from start to result: scrape, drive (in one or several client processes),
+scrape again, merge, and judge whether the client itself was the limit."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+
+from clipserve.bench.loadgen import LoadSpec, progress_printer, run_async, run_load
+from clipserve.bench.payloads import Request
+from clipserve.bench.server import Breakdown, breakdown, scrape
+from clipserve.bench.stats import Tally
+
+# Past these the client, not the server, may be what was measured.
+CPU_SATURATED = 0.85  # of one core, per client process
+SEND_LAG_MS = 5.0  # open loop, p99 of (actual - intended) send time
+
+
+@dataclass
+class PointResult:
+    mode: str
+    load: str
+    concurrency: int | None
+    rate: float | None
+    procs: int
+    window_s: float
+    completed: int
+    ok: int
+    unfinished: int
+    statuses: dict[str, int]
+    error_samples: dict[str, str]
+    requests_per_s: float
+    images_per_s: float
+    latency_ms: dict[str, float]
+    send_lag_ms: dict[str, float]
+    client_loop_lag_ms: dict[str, float]
+    client_cpu: list[float]
+    server_timing_ms: dict[str, float]
+    server: dict[str, Any] | None
+    warnings: list[str] = field(default_factory=list)
+    usd_per_million_images: float | None = None
+    latency_hist: str = ""  # HdrHistogram, encoded: merge or re-read percentiles later
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _child(
+    url: str, requests: Sequence[Request], spec: LoadSpec, start_at: float
+) -> dict[str, Any]:
+    return run_async(run_load(url, requests, spec, start_at=start_at)).to_dict()
+
+
+def drive(
+    url: str,
+    requests: Sequence[Request],
+    spec: LoadSpec,
+    procs: int = 1,
+    progress: bool = False,
+    label: str = "",
+) -> Tally:
+    """The merged tally of `procs` client processes sharing the load."""
+    if procs <= 1:
+        printer = progress_printer(label or spec.load, spec) if progress else None
+        tally = run_async(run_load(url, requests, spec, progress=printer))
+        if progress:
+            import sys
+
+            sys.stderr.write("\n" if sys.stderr.isatty() else "")
+        return tally
+    ctx = multiprocessing.get_context("spawn")
+    start_at = time.time() + 2.0 + 0.3 * procs  # room for the children to start
+    with ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+        futures = [
+            pool.submit(_child, url, requests, spec.share(i, procs), start_at) for i in range(procs)
+        ]
+        tallies = [Tally.from_dict(f.result()) for f in futures]
+    merged = tallies[0]
+    for t in tallies[1:]:
+        merged.merge(t)
+    return merged
+
+
+async def _scrape_once(url: str) -> Any:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        return await scrape(session, url)
+
+
+def judge(tally: Tally, spec: LoadSpec) -> list[str]:
+    warnings = []
+    worst = max(tally.cpu_fractions, default=0.0)
+    if worst >= CPU_SATURATED:
+        warnings.append(
+            f"client CPU at {worst:.0%} of a core: the load generator may be the bottleneck "
+            "(add --procs, or run it on another machine)"
+        )
+    if spec.rate is not None and tally.send_lag.count:
+        lag = tally.send_lag.percentile_ms(99)
+        if lag > SEND_LAG_MS:
+            warnings.append(
+                f"sends fell behind schedule (p99 lag {lag:.1f} ms): the client could not keep "
+                f"{spec.rate:g} req/s; latencies still count from the intended times"
+            )
+    errors = tally.completed - tally.ok
+    if errors:
+        worst_status = max(
+            (s for s in tally.statuses if s != "200"), key=lambda s: tally.statuses[s]
+        )
+        warnings.append(f"{errors} of {tally.completed} requests failed (most: {worst_status})")
+    oldest = tally.unfinished_max_s * 1000
+    if tally.unfinished and oldest > max(1000.0, 3 * tally.latency.percentile_ms(50)):
+        warnings.append(
+            f"{tally.unfinished} requests were still in flight when the window closed, the "
+            f"oldest for {oldest:,.0f} ms (counted at their age then: a stall?)"
+        )
+    return warnings
+
+
+def run_point(
+    url: str,
+    requests: Sequence[Request],
+    spec: LoadSpec,
+    *,
+    procs: int = 1,
+    progress: bool = False,
+    usd_per_hour: float | None = None,
+) -> PointResult:
+    before = run_async(_scrape_once(url))
+    tally = drive(url, requests, spec, procs, progress)
+    after = run_async(_scrape_once(url))
+    server: Breakdown | None = breakdown(before, after)
+    window = tally.window_s
+    rps = tally.ok / window
+    ips = tally.items_ok / window
+    timing = (
+        {k: round(v / tally.timed, 3) for k, v in tally.stage_ms.items()} if tally.timed else {}
+    )
+    cost = round(usd_per_hour / (ips * 3600) * 1e6, 4) if usd_per_hour and ips > 0 else None
+    return PointResult(
+        mode=spec.mode,
+        load=spec.load,
+        concurrency=spec.concurrency,
+        rate=spec.rate,
+        procs=procs,
+        window_s=round(window, 3),
+        completed=tally.completed,
+        ok=tally.ok,
+        unfinished=tally.unfinished,
+        statuses=dict(tally.statuses),
+        error_samples=tally.error_samples,
+        requests_per_s=round(rps, 3),
+        images_per_s=round(ips, 3),
+        latency_ms=tally.latency.summary(),
+        send_lag_ms=tally.send_lag.summary(),
+        client_loop_lag_ms=tally.loop_lag.summary(),
+        client_cpu=[round(c, 3) for c in tally.cpu_fractions],
+        server_timing_ms=timing,
+        server=server.to_dict() if server else None,
+        warnings=judge(tally, spec),
+        usd_per_million_images=cost,
+        latency_hist=tally.latency.encode(),
+    )

@@ -1,0 +1,298 @@
+"""uvicorn, configured: its httptools protocol with the connection limits it lacks.
+
+uvicorn has settings for the keep-alive timeout (used) and, only in its slower h11 protocol, a
+header size cap. It has nothing for a header cap under httptools, a connection that never
+sends (or drips) its headers, a cap on open connections that refuses the excess fast, or a
+lingering close. `GuardedHttpProtocol` adds those to `HttpToolsProtocol`; the fast path gains
+a few attribute checks per request (README, design notes). The CLI and the test servers build
+their `uvicorn.Config` with `build_uvicorn_config`, so tests run the real settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+from clipserve.config import HttpConfig
+from clipserve.protocol.responses import encode_error
+
+log = logging.getLogger(__name__)
+
+LINGER_IDLE_S = 1.0  # a lingering client that sends nothing for this long is done
+CAP_LOG_INTERVAL_S = 10.0  # at most one "connection cap hit" warning per interval
+FD_HEADROOM = 256  # descriptors the process needs besides its client sockets
+
+ASGISend = Callable[[Any], Awaitable[None]]
+
+
+class _CapLog:
+    """Rate-limited warning for refusals at --max-connections (a flood must not flood the log)."""
+
+    def __init__(self) -> None:
+        self.last = -math.inf
+        self.suppressed = 0
+
+    def refused(self, open_connections: int) -> None:
+        now = time.monotonic()
+        if now - self.last < CAP_LOG_INTERVAL_S:
+            self.suppressed += 1
+            return
+        log.warning(
+            "refusing connections: %d open, the --max-connections limit (%d more refused since "
+            "the last such message)",
+            open_connections,
+            self.suppressed,
+        )
+        self.last, self.suppressed = now, 0
+
+
+class _LingeringClose(asyncio.Transport):
+    """Stands in for the transport of a cycle that answered before its body was read: the
+    cycle's `close()` becomes a lingering close. Only such cycles get it; the fast path doesn't."""
+
+    def __init__(self, protocol: GuardedHttpProtocol, transport: asyncio.Transport) -> None:
+        super().__init__()
+        self._protocol = protocol
+        self._transport = transport
+
+    def write(self, data: bytes | bytearray | memoryview[int]) -> None:
+        self._transport.write(data)
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def close(self) -> None:
+        self._protocol.close_lingering()
+
+
+def error_bytes(
+    status: int, code: str, message: str, extra: list[tuple[bytes, bytes]] | None = None
+) -> bytes:
+    """A complete JSON error response that closes the connection, for the protocol layer."""
+    body = encode_error(code, message)
+    lines = [
+        b"HTTP/1.1 %d %s" % (status, http.HTTPStatus(status).phrase.encode()),
+        b"content-type: application/json",
+        b"content-length: %d" % len(body),
+        b"connection: close",
+        *(name + b": " + value for name, value in extra or []),
+    ]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """`HttpToolsProtocol` with a header byte cap (431), a header timeout (408, or a silent
+    close when nothing was sent), a cap on open connections (503 at once), and a lingering
+    close whenever the server answers before the request body has arrived."""
+
+    limits: ClassVar[HttpConfig]
+    cap_log: ClassVar[_CapLog]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_bytes = 0  # of the request whose headers are arriving
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._linger_deadline = 0.0
+        self._linger_bytes = -1  # -1: not lingering; else bytes dropped since the last check
+        self._refused = False
+
+    # Connection lifecycle
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        open_now = len(self.connections)
+        if open_now >= self.limits.max_connections:
+            # Answered at once, before the request arrives: refusing must stay cheap for a
+            # flood, and the client reads the answer after it has sent its request.
+            self._refused = True
+            self.transport = transport
+            self.cap_log.refused(open_now)
+            message = f"{open_now} connections open, the limit (--max-connections)"
+            transport.write(self._error(503, "overloaded", message, [(b"retry-after", b"1")]))
+            self.close_lingering()
+            return
+        super().connection_made(transport)
+        self._header_timer = self.loop.call_later(
+            self.limits.header_timeout_s, self._header_timeout
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._header_timer, self._linger_timer):
+            if timer is not None:
+                timer.cancel()
+        if not self._refused:
+            super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        if self._linger_bytes >= 0:
+            self.transport.close()
+        else:
+            super().shutdown()
+
+    # Reading
+
+    def data_received(self, data: bytes) -> None:
+        if self._linger_bytes >= 0:
+            self._linger_bytes += len(data)
+            return
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body:  # these bytes start or continue headers
+            limit = self.limits.max_header_bytes
+            room = limit - self._header_bytes
+            self._header_bytes += len(data)
+            if self._header_bytes > limit:
+                # Feed only what fits: the headers must end inside it, whatever the chunking.
+                view = memoryview(data)
+                super().data_received(view[:room])  # type: ignore[arg-type]
+                if self._header_bytes == 0:  # they did: on_headers_complete reset the count
+                    if self._linger_bytes < 0:
+                        super().data_received(view[room:])  # type: ignore[arg-type]
+                else:
+                    self._refuse(431, "headers_too_large",
+                                 f"request headers exceed {limit} bytes (--max-header-bytes)")  # fmt: skip
+                return
+        super().data_received(data)
+        if self._header_bytes and self._header_timer is None and self._linger_bytes < 0:
+            # Headers of a later request on a kept-alive connection started arriving.
+            self._header_timer = self.loop.call_later(
+                self.limits.header_timeout_s, self._header_timeout
+            )
+
+    def on_headers_complete(self) -> None:
+        self._header_bytes = 0
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:
+            cycle.send = self._closing_send(cycle, cycle.send)  # type: ignore[method-assign]
+
+    def _closing_send(self, cycle: RequestResponseCycle, send: ASGISend) -> ASGISend:
+        """An answer that starts before the body has fully arrived (413, 504, ...) ends the
+        connection: `connection: close`, then a lingering close so the client can read it."""
+
+        async def closing_send(message: Any) -> None:
+            if cycle.more_body and not cycle.response_started and not cycle.disconnected:
+                cycle.keep_alive = False
+                cycle.transport = _LingeringClose(self, self.transport)
+                cycle.on_response = self._count_response
+            await send(message)
+
+        return closing_send
+
+    def _count_response(self) -> None:
+        self.server_state.total_requests += 1  # what on_response_complete would have counted
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self._header_bytes == 0:  # nothing of a request was sent: nothing to answer
+            self.transport.close()
+            return
+        timeout = self.limits.header_timeout_s
+        self._refuse(408, "header_timeout",
+                     f"request headers not received within {timeout} s (--header-timeout-s)")  # fmt: skip
+
+    # Answers from the protocol layer: JSON, then a lingering close
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(400, "invalid_request", msg)
+
+    def _error(
+        self, status: int, code: str, message: str, extra: list[tuple[bytes, bytes]] | None = None
+    ) -> bytes:
+        return error_bytes(status, code, message, [*self.server_state.default_headers,
+                                                   *(extra or [])])  # fmt: skip
+
+    def _refuse(self, status: int, code: str, message: str) -> None:
+        if self._linger_bytes >= 0 or self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.transport.close()  # a response is being written here: no room for ours
+            return
+        self.transport.write(self._error(status, code, message))
+        self.close_lingering()
+
+    def close_lingering(self) -> None:
+        """Half-close, then read and drop what the client still sends for a bounded time
+        (nginx's lingering close): closing with unread input sends a reset, and a client
+        still sending its body would lose the answer with it."""
+        transport = self.transport
+        if self._linger_bytes >= 0 or transport.is_closing():
+            return
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        self._unset_keepalive_if_required()
+        timeout = self.limits.linger_timeout_s
+        if timeout <= 0 or not transport.can_write_eof():
+            transport.close()
+            return
+        self._linger_bytes = 0
+        self._linger_deadline = self.loop.time() + timeout
+        transport.write_eof()
+        if self.flow is not None:  # reading may be paused by a body nobody read
+            self.flow.resume_reading()
+        self._linger_timer = self.loop.call_later(min(LINGER_IDLE_S, timeout), self._linger_check)
+
+    def _linger_check(self) -> None:
+        remaining = self._linger_deadline - self.loop.time()
+        if self._linger_bytes == 0 or remaining <= 0:  # quiet for a while, or out of time
+            self._linger_timer = None
+            self.transport.close()
+            return
+        self._linger_bytes = 0
+        self._linger_timer = self.loop.call_later(
+            min(LINGER_IDLE_S, remaining), self._linger_check
+        )
+
+
+def protocol_class(config: HttpConfig) -> type[GuardedHttpProtocol]:
+    """A protocol class bound to these limits, with its own cap log (one per server)."""
+    return type(
+        "ClipserveHttpProtocol", (GuardedHttpProtocol,), {"limits": config, "cap_log": _CapLog()}
+    )
+
+
+def build_uvicorn_config(app: Any, config: HttpConfig, **overrides: Any) -> uvicorn.Config:
+    """The uvicorn settings clipserve serves with; tests pass overrides such as a free port."""
+    settings: dict[str, Any] = {
+        "host": config.host,
+        "port": config.port,
+        "log_level": config.log_level,
+        "http": protocol_class(config),
+        "ws": "none",  # no WebSocket routes: an upgrade must not escape these limits
+        "timeout_keep_alive": config.keep_alive_timeout_s,  # a float works: call_later's delay
+        "timeout_graceful_shutdown": int(config.drain_timeout_s) or None,
+        "access_log": False,
+        "server_header": False,
+    }
+    settings.update(overrides)
+    return uvicorn.Config(app, **settings)
+
+
+def ensure_fd_limit(max_connections: int) -> None:
+    """Raise the soft open-file limit so --max-connections sockets fit; past the limit,
+    accept() fails and new clients wait in the backlog instead of getting a fast 503."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + FD_HEADROOM
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if new > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < want:
+        log.warning(
+            "open-file limit %d leaves room for %d connections, below --max-connections %d",
+            new, new - FD_HEADROOM, max_connections,
+        )  # fmt: skip

@@ -1,0 +1,119 @@
+"""OpenAI-compatible routes: `POST /v1/embeddings`, `GET /v1/models[/{model}]`.
+
+Texts go to the text tower and images to the image tower, both through the pipeline; a list
+that mixes them runs both at once and is answered in input order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from clipserve.batching import Completed
+from clipserve.errors import ModelNotFound
+from clipserve.pipeline import ImageWork, Pipeline, TextWork
+from clipserve.protocol import openai as codec
+from clipserve.protocol.media import JSON
+
+T = TypeVar("T")
+CREATED = 0  # OpenAI's `created` (a Unix time); a served checkpoint has no creation date
+# Statuses OpenAI uses where clipserve's own API says otherwise: a bad field or an input over a
+# per-item limit is a 400 ("invalid request") there; the whole body over the limit stays 413.
+_STATUS = {"invalid_parameter": 400, "too_many_items": 400, "too_many_texts": 400,
+           "text_too_long": 400, "image_too_large": 400}  # fmt: skip
+
+
+def _pipeline(request: Request) -> Pipeline:
+    return request.state.server  # type: ignore[no-any-return]
+
+
+def model_names(p: Pipeline) -> list[str]:
+    """The served model's identity (name/weights), then its bare name as an alias."""
+    model = p.runtime.model
+    return list(dict.fromkeys([model.identity, model.name]))
+
+
+def render_error(status: int, code: str, message: str) -> Response:
+    """Errors on /v1/ in OpenAI's shape, so its clients raise their usual exceptions."""
+    status = 400 if code.startswith("invalid_") and status == 422 else _STATUS.get(code, status)
+    return Response(codec.encode_error(message, status, code), status, media_type=JSON)
+
+
+def _parse(p: Pipeline, body: bytes) -> tuple[codec.EmbeddingsRequest, int]:
+    """Pool work: the request, and its usage (CLIP tokens of the texts, one per image)."""
+    limits = p.config.limits
+    parsed = codec.parse_embeddings_request(
+        body, models=model_names(p), embed_dim=p.runtime.model.embed_dim,
+        max_items=limits.max_items_per_request, max_text_chars=limits.max_text_chars,
+    )  # fmt: skip
+    tokens = 0
+    if parsed.texts:  # the tokenizer pads with 0 and counts start/end tokens, like the model
+        tokens = int(np.count_nonzero(p.runtime.tokenize(parsed.texts)))
+    return parsed, tokens + len(parsed.images)
+
+
+async def _all(jobs: Sequence[Awaitable[T]]) -> list[T]:
+    """Await every job; the first failure cancels the others (their items leave the queue)."""
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for task in tasks:  # the failure itself, not a sibling's cancellation
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+    return [task.result() for task in tasks]
+
+
+async def embeddings(request: Request) -> Response:
+    p = _pipeline(request)
+    async with p.request(request) as ctx:
+        body = await p.read_body(request, ctx)
+        with ctx.timer.measure("decode"):
+            parsed, tokens = await p.in_pool(_parse, p, body)
+        protocol = parsed.protocol
+        jobs: list[Awaitable[Completed]] = []
+        if parsed.texts:
+            jobs.append(p.embed_texts(TextWork(protocol, parsed.texts), ctx))
+        if parsed.images:
+            jobs.append(p.embed_images(ImageWork(protocol, images=parsed.images), ctx))
+        completed = await _all(jobs)
+    with ctx.timer.measure("encode"):
+        indices = [i for i in (parsed.text_index, parsed.image_index) if i]
+        embedded = codec.merge(parsed.count, [
+            (index, c.embeddings) for index, c in zip(indices, completed, strict=True)
+        ])  # fmt: skip
+        content = codec.encode_embeddings_response(
+            embedded, model=parsed.model, encoding_format=parsed.encoding_format,
+            prompt_tokens=tokens,
+        )  # fmt: skip
+    return p.respond(ctx, protocol, content, JSON)
+
+
+async def list_models(request: Request) -> Response:
+    return Response(codec.encode_models(model_names(_pipeline(request)), CREATED),
+                    media_type=JSON)  # fmt: skip
+
+
+async def get_model(request: Request) -> Response:
+    names = model_names(_pipeline(request))
+    model: Any = request.path_params["model"]
+    if model not in names:
+        raise ModelNotFound(f"The model {model!r} does not exist; this server serves "
+                            f"{', '.join(names)}")  # fmt: skip
+    return Response(codec.encode_model(model, CREATED), media_type=JSON)
+
+
+ROUTES = [
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+]

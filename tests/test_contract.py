@@ -1,0 +1,195 @@
+"""The documented contract at the edge: JSON for every error, X-Request-Id, Server-Timing on
+every answer, the in-flight body budget, per-request deadlines and shutdown answers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import RunningServer, free_port, png_bytes, random_pixels
+
+Serve = Callable[..., RunningServer]
+PNG = {"Content-Type": "image/png"}
+
+
+def error_of(r: httpx.Response) -> dict[str, str]:
+    assert r.headers["content-type"] == "application/json", r.text
+    return r.json()["error"]  # type: ignore[no-any-return]
+
+
+def test_unknown_route_and_wrong_method_answer_json(serve: Serve) -> None:
+    server = serve(backend="fake")
+    r = httpx.get(server.url + "/nope")
+    assert r.status_code == 404 and error_of(r)["code"] == "not_found"
+    r = httpx.get(server.url + "/embed")
+    assert r.status_code == 405 and error_of(r)["code"] == "method_not_allowed"
+    assert r.headers["allow"] == "POST"
+    assert "server-timing" in r.headers and "x-request-id" in r.headers
+    text = httpx.get(server.url + "/metrics").text
+    assert 'clipserve_requests_total{route="other",status="404"} 1.0' in text
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "headers"),
+    [
+        ("GET", "/healthz", None, {}),
+        ("GET", "/readyz", None, {}),
+        ("GET", "/info", None, {}),
+        ("GET", "/metrics", None, {}),
+        ("POST", "/embed", b"x", {"Content-Type": "text/plain"}),  # 415
+        ("POST", "/embed", b"x", {**PNG, "Accept": "text/html"}),  # 406
+        ("POST", "/embed?normalize=perhaps", b"x", PNG),  # 422
+        ("POST", "/embed", b"not an image", PNG),  # 400 after the receive stage
+    ],
+)
+def test_every_response_carries_server_timing_with_a_total(
+    serve: Serve, method: str, path: str, body: bytes | None, headers: dict[str, str]
+) -> None:
+    server = serve(backend="fake")
+    r = httpx.request(method, server.url + path, content=body, headers=headers)
+    timing = r.headers["server-timing"]
+    assert timing.split(", ")[-1].startswith("total;dur="), timing
+    if r.status_code == 400:
+        assert timing.startswith("receive;dur="), timing
+
+
+def test_timeout_shows_the_queue_wait_in_server_timing(serve: Serve) -> None:
+    server = serve(backend="fake", backend_option=["latency_ms=600"], max_batch_size=1,
+                   request_timeout_s=0.3)  # fmt: skip
+
+    async def two() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+            body = png_bytes(random_pixels(1))
+            return await asyncio.gather(*(client.post("/embed", content=body, headers=PNG)
+                                          for _ in range(2)))  # fmt: skip
+
+    late = [r for r in asyncio.run(two()) if r.status_code == 504]
+    assert late, "one request should wait behind the other past its deadline"
+    stages = dict(part.split(";dur=") for part in late[0].headers["server-timing"].split(", "))
+    assert {"receive", "decode", "queue", "total"} <= stages.keys()
+
+
+@pytest.mark.parametrize("raw", [b"caf\xe9", b"a b", b"x" * 129, b"tab\tinside"])
+def test_request_id_must_be_visible_ascii(serve: Serve, raw: bytes) -> None:
+    server = serve(backend="fake")
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Request-Id: " + raw + b"\r\n\r\n")
+        sock.settimeout(5)
+        head, _, body = sock.recv(65536).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    assert json.loads(body)["error"]["code"] == "invalid_header"
+    assert raw not in head  # a fresh id is echoed, never the bytes it refused
+
+
+def test_visible_ascii_request_id_is_echoed_exactly(serve: Serve) -> None:
+    server = serve(backend="fake")
+    rid = "Req-42/abc:~!" + "z" * 100
+    assert httpx.get(server.url + "/healthz", headers={"X-Request-Id": rid}).headers[
+        "x-request-id"
+    ] == rid
+
+
+def test_request_timeout_header_shortens_the_deadline(serve: Serve) -> None:
+    server = serve(backend="fake", backend_option=["latency_ms=500"])
+    body = png_bytes(random_pixels(2))
+    t0 = time.monotonic()
+    r = httpx.post(server.url + "/embed", content=body,
+                   headers={**PNG, "X-Request-Timeout-Ms": "150"})  # fmt: skip
+    assert r.status_code == 504 and time.monotonic() - t0 < 0.45
+    assert "X-Request-Timeout-Ms" in error_of(r)["message"]
+    # Capped by the server's own timeout; garbage is refused.
+    r = httpx.post(server.url + "/embed", content=body,
+                   headers={**PNG, "X-Request-Timeout-Ms": "1e9"})  # fmt: skip
+    assert r.status_code == 200
+    for bad in ("soon", "-5", "0", "nan", "inf"):
+        r = httpx.post(server.url + "/embed", content=body,
+                       headers={**PNG, "X-Request-Timeout-Ms": bad})  # fmt: skip
+        assert r.status_code == 400 and error_of(r)["code"] == "invalid_header", bad
+
+
+def test_bodies_in_flight_are_bounded(serve: Serve) -> None:
+    """Incomplete bodies reserve their declared length: past the budget, 503 at once."""
+    server = serve(backend="fake", max_body_bytes=1 << 20, max_body_bytes_in_flight=3 << 20)
+    port = int(server.url.rsplit(":", 1)[1])
+    held = []
+    try:
+        for _ in range(3):  # 3 x 1 MiB declared, a few bytes sent: the budget is now full
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                      b"Content-Length: 1048576\r\n\r\nabc")  # fmt: skip
+            held.append(s)
+        time.sleep(0.3)
+        r = httpx.post(server.url + "/embed", content=png_bytes(random_pixels(3)), headers=PNG)
+        assert r.status_code == 503 and error_of(r)["code"] == "overloaded"
+        assert "--max-body-bytes-in-flight" in error_of(r)["message"]
+        assert int(r.headers["retry-after"]) >= 1
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + 5
+    while True:  # the stalled bodies' reservations are released when their clients go away
+        r = httpx.post(server.url + "/embed", content=png_bytes(random_pixels(3)), headers=PNG)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert r.status_code == 200
+    assert server.state.body_budget.used == 0
+
+
+def test_drain_timeout_answers_503_json_with_one_log_line_each(
+    tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "clipserve", "--model", str(tiny_config), "--checkpoint",
+             str(tiny_checkpoint), "--backend", "fake", "--backend-option", "latency_ms=3000",
+             "--max-batch-size", "1", "--port", str(port), "--drain-timeout-s", "1"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 90
+            while True:
+                try:
+                    if httpx.get(url + "/readyz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, "did not start"
+                time.sleep(0.1)
+
+            async def load() -> list[httpx.Response]:
+                async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                    body = png_bytes(random_pixels(1))
+                    tasks = [asyncio.create_task(client.post("/embed", content=body,
+                             headers=PNG)) for _ in range(3)]  # fmt: skip
+                    await asyncio.sleep(0.3)
+                    proc.send_signal(signal.SIGTERM)
+                    return [await t for t in tasks]
+
+            responses = asyncio.run(load())
+            proc.wait(timeout=20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    cut = [r for r in responses if r.status_code != 200]
+    assert cut, [r.status_code for r in responses]
+    for r in cut:
+        assert r.status_code == 503 and error_of(r)["code"] == "shutting_down"
+        assert r.headers["retry-after"] == "1"
+    text = log_path.read_text()
+    assert "Traceback" not in text
+    assert text.count("cancelled: drain timeout expired") == len(cut)
