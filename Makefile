@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 ARGS   ?= --pretrained none
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-slow check lint bench clean
+.PHONY: serve test test-slow check lint bench bench-report clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ check: lint test
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.served_vs_offline
+
+# The whole benchmark report into bench/results/<date>-<machine>/ (~15 min here; ARGS=--quick: < 5).
+bench-report: ARGS =
+bench-report: $(STAMP)
+	$(BIN)/clipserve-bench report $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import time
+
+from clipserve.bench.procs import machine as bench_machine
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +28,10 @@ def describe_model(args: argparse.Namespace) -> str:
 
 
 def machine() -> str:
-    return f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}"
+    """The CPU model, cores and GPU models, as clipserve-bench names the machine."""
+    m = bench_machine()
+    gpus = ", ".join(m["gpus"]) or "no GPU"  # type: ignore[arg-type]
+    return f"{m['cpu']}, {m['cores']} cores, {gpus}, {platform.system()}"
 
 
 def utc_now() -> str:

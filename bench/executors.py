@@ -10,44 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 from bench.common import add_model_flags, describe_model, machine, model_flags, utc_now
-from clipserve.config import load_config
-from clipserve.runtime import build_runtime
-
-
-def measure(
-    runtime: Any, sizes: list[int], min_time_s: float, min_runs: int
-) -> list[dict[str, Any]]:
-    executor, thread = runtime.executors[0], runtime.threads[0]
-    h, w = executor.info.input_size
-    rng = np.random.default_rng(0)
-
-    def on_thread() -> list[dict[str, Any]]:
-        rows = []
-        for n in sizes:
-            x = rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8)
-            executor.run(x)  # first run at this size: allocator, kernels
-            samples: list[float] = []
-            start = time.perf_counter()
-            while len(samples) < min_runs or time.perf_counter() - start < min_time_s:
-                t0 = time.perf_counter()
-                executor.run(x)
-                samples.append(time.perf_counter() - t0)
-            median = statistics.median(samples)
-            rows.append({"batch": n, "images_per_s": round(n / median, 2),
-                         "latency_ms": round(median * 1000, 2), "runs": len(samples),
-                         "memory_bytes": executor.memory()})  # fmt: skip
-            print(f"  batch {n:>3}: {n / median:8.1f} img/s  {median * 1000:8.1f} ms", flush=True)
-        return rows
-
-    return thread.submit(on_thread).result()  # type: ignore[no-any-return]
+from clipserve.bench.offline import measure_executor
 
 
 def main() -> None:
@@ -70,17 +36,8 @@ def main() -> None:
         elif extra:
             flags["precision"] = extra
         print(f"{variant} ...", flush=True)
-        t0 = time.perf_counter()
-        runtime = build_runtime(load_config(flags, environ={}))
-        startup = time.perf_counter() - t0
-        info = runtime.executors[0].info
-        try:
-            rows = measure(runtime, sizes, args.min_time, args.min_runs)
-        finally:
-            runtime.close()
-        results.append({"variant": variant, "backend": info.backend, "device": info.device,
-                        "precision": info.precision, "startup_s": round(startup, 1),
-                        "rows": rows})  # fmt: skip
+        results.append({"variant": variant, **measure_executor(
+            flags, sizes, min_time_s=args.min_time, min_runs=args.min_runs)})  # fmt: skip
     doc = {
         "benchmark": "executors",
         "machine": machine(),

@@ -11,25 +11,20 @@ Writes bench/results/protocols.json.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import base64
 import json
-import signal
 import statistics
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
-import orjson
 
 from bench.common import machine, utc_now
-from bench.images import jpeg
-from bench.loadgen import Request, run_load
-from bench.served_vs_offline import start_server
-from clipserve.backends.base import normalise_numpy
+from clipserve.bench.images import SourceImage, synthetic_image
+from clipserve.bench.loadgen import LoadSpec
+from clipserve.bench.payloads import ModelInput, Request, build_requests
+from clipserve.bench.procs import clipserve_server
+from clipserve.bench.runner import run_point
 from clipserve.preprocess import ImageDecoder, PreprocessSpec
 from clipserve.protocol.requests import parse_body
 from clipserve.protocol.responses import encode_embeddings
@@ -39,48 +34,35 @@ SPEC = PreprocessSpec((224, 224), (0.48145466, 0.4578275, 0.40821073),
 N = 8  # images per request for the list formats
 
 
-def formats(images: list[bytes], decoder: ImageDecoder) -> dict[str, Request]:
-    pixels = np.stack([decoder(d) for d in images[:N]])
-    floats = normalise_numpy(pixels, SPEC)
-    halfs = floats.astype(np.float16)
+def formats(images: list[SourceImage]) -> dict[str, Request]:
+    """The request formats compared, from clipserve.bench's payload kinds."""
+    model = ModelInput(SPEC.size, SPEC.mean, SPEC.std)
 
-    def tensor(a: np.ndarray) -> bytes:
-        return msgpack.packb({"tensor": {"dtype": str(a.dtype), "shape": list(a.shape),
-                                         "data": a.tobytes()}})  # fmt: skip
+    def one(kind: str, n: int = N, dtype: str = "uint8") -> Request:
+        return build_requests(kind, images, model, images_per_request=n, variants=1,
+                              tensor_dtype=dtype)[0]  # fmt: skip
 
-    def raw(a: np.ndarray) -> Request:
-        shape = ",".join(map(str, a.shape))
-        headers = {"X-Tensor-Dtype": str(a.dtype), "X-Tensor-Shape": shape}
-        return Request(a.tobytes(), "application/octet-stream", headers=headers)
-
-    boundary = "clipservebench"
-    multipart = b"".join(
-        f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"{i}.jpg\"\r\n"
-        f"Content-Type: image/jpeg\r\n\r\n".encode() + d + b"\r\n" for i, d in enumerate(images[:N])
-    ) + f"--{boundary}--\r\n".encode()  # fmt: skip
     return {
-        "jpeg (1 per request)": Request(images[0], "image/jpeg"),
-        "multipart jpeg": Request(multipart, f"multipart/form-data; boundary={boundary}"),
-        "msgpack jpeg list": Request(msgpack.packb({"images": images[:N]}), "application/msgpack"),
-        "json base64 jpeg": Request(
-            orjson.dumps({"images": [base64.b64encode(d).decode() for d in images[:N]]}),
-            "application/json",
-        ),
-        "msgpack uint8 tensor": Request(tensor(pixels), "application/msgpack"),
-        "raw uint8 tensor": raw(pixels),
-        "raw float16 tensor": raw(halfs),
-        "raw float32 tensor": raw(floats),
-        "msgpack float32 tensor": Request(tensor(floats), "application/msgpack"),
+        "jpeg (1 per request)": one("jpeg", 1),
+        "multipart jpeg": one("multipart"),
+        "msgpack jpeg list": one("msgpack-images"),
+        "json base64 jpeg": one("json-base64"),
+        "msgpack uint8 tensor": one("msgpack-tensor"),
+        "raw uint8 tensor": one("raw-tensor"),
+        "raw float16 tensor": one("raw-tensor", dtype="float16"),
+        "raw float32 tensor": one("raw-tensor", dtype="float32"),
+        "msgpack float32 tensor": one("msgpack-tensor", dtype="float32"),
     }
 
 
 def cpu_per_image(req: Request, decoder: ImageDecoder, repeat: int) -> dict[str, float]:
-    headers = {k.lower(): v for k, v in req.headers.items()}
+    headers = {k.lower(): v for k, v in req.headers.items() if k.lower() != "content-type"}
+    content_type = req.headers["Content-Type"]
     embeddings = np.random.default_rng(0).standard_normal((N, 512)).astype(np.float32)
 
     def once() -> tuple[float, float, int]:
         t0 = time.thread_time()
-        payload = parse_body(req.content_type, headers, req.body, (224, 224), 64)
+        payload = parse_body(content_type, headers, req.body, (224, 224), 64)
         if payload.tensor is None:
             for data in payload.images:
                 decoder(data)
@@ -117,29 +99,21 @@ def response_sizes() -> dict[str, int]:
     return out
 
 
-def served(server_args: list[str], reqs: dict[str, Request], in_flight: int, duration: float,
-           port: int) -> list[dict[str, Any]]:  # fmt: skip
+def served(server_args: list[str], reqs: dict[str, Request], in_flight: int,
+           duration: float) -> list[dict[str, Any]]:  # fmt: skip
     """Each format with `in_flight` images outstanding: in_flight / images-per-request clients."""
-    proc = start_server(server_args, port)
-    url = f"http://127.0.0.1:{port}"
     rows = []
-    try:
+    with clipserve_server(server_args) as url:
         for name, req in reqs.items():
-            n = N if "1 per" not in name else 1
-            asyncio.run(run_load(url, req, concurrency=2, duration_s=1, images_per_request=n))
-            clients = max(1, in_flight // n)
-            result = asyncio.run(run_load(url, req, concurrency=clients, duration_s=duration,
-                                          images_per_request=n))  # fmt: skip
-            row = {"format": name, **asdict(result)}
-            rows.append(row)
+            clients = max(1, in_flight // req.items)
+            spec = LoadSpec(concurrency=clients, duration_s=duration, warmup_s=1.0)
+            result = run_point(url, [req], spec)
+            rows.append({"format": name, **result.to_dict()})
             print(
                 f"  {name:<24} {result.images_per_s:8.1f} img/s  p50 "
                 f"{result.latency_ms.get('p50', 0):8.1f} ms  {result.statuses}",
                 flush=True,
             )
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
     return rows
 
 
@@ -148,13 +122,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--in-flight", type=int, default=64, help="images outstanding")
-    parser.add_argument("--port", type=int, default=8766)
     parser.add_argument("--skip-model", action="store_true", help="only the fake backend")
     parser.add_argument("--out", type=Path, default=Path("bench/results/protocols.json"))
     args = parser.parse_args()
     decoder = ImageDecoder(SPEC, 40_000_000)
-    images = [jpeg(640, 480, seed=i) for i in range(N)]
-    reqs = formats(images, decoder)
+    reqs = formats([SourceImage(synthetic_image(640, 480, seed=i)) for i in range(N)])
     print("in-process, per image:", flush=True)
     in_process = {}
     for name, req in reqs.items():
@@ -163,14 +135,13 @@ def main() -> None:
     common = ["--model", "ViT-B-32", "--pretrained", "none", "--gpus", "cpu",
               "--max-batch-size", "32", "--max-queue-size", "256"]  # fmt: skip
     print(f"served, fake backend (no model), {args.in_flight} images in flight:", flush=True)
-    fake = served([*common, "--backend", "fake"], reqs, args.in_flight, args.duration,
-                  args.port)  # fmt: skip
+    fake = served([*common, "--backend", "fake"], reqs, args.in_flight, args.duration)
     model: list[dict[str, Any]] = []
     if not args.skip_model:
         print("served, ViT-B-32 torch fp32 on CPU, 32 images in flight:", flush=True)
         chosen = {k: reqs[k] for k in ("jpeg (1 per request)", "msgpack jpeg list",
                                        "raw uint8 tensor", "raw float32 tensor")}  # fmt: skip
-        model = served([*common, "--backend", "torch"], chosen, 32, args.duration * 2, args.port)
+        model = served([*common, "--backend", "torch"], chosen, 32, args.duration * 2)
     doc = {
         "benchmark": "protocols",
         "machine": machine(),

@@ -12,22 +12,19 @@ Writes bench/results/served_vs_offline-<backend>-<device>.json.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import signal
 import statistics
-import subprocess
-import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 from bench.common import add_model_flags, describe_model, machine, model_flags, utc_now
-from bench.images import jpeg
-from bench.loadgen import Request, run_load
+from clipserve.bench.images import jpeg
+from clipserve.bench.loadgen import LoadSpec
+from clipserve.bench.payloads import Request
+from clipserve.bench.procs import clipserve_server
+from clipserve.bench.runner import run_point
 from clipserve.config import load_config
 from clipserve.runtime import build_runtime
 
@@ -73,22 +70,8 @@ class Offline:
         return f"{info.backend}/{info.precision}/{info.device}"
 
 
-def start_server(args: list[str], port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clipserve", *args, "--port", str(port), "--log-level", "warning"]
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit("server exited during startup")
-        time.sleep(0.25)
-    proc.kill()
-    raise SystemExit("server did not become ready")
+def jpeg_request(data: bytes) -> Request:
+    return Request("/embed", data, {"Content-Type": "image/jpeg"}, 1)
 
 
 def main() -> None:
@@ -100,7 +83,6 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--extra", default="", help="more server flags, space-separated")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -113,37 +95,34 @@ def main() -> None:
     images = [jpeg(640, 480, seed=i) for i in range(32)]
 
     offline = Offline(flags, images)
-    proc = start_server(server_args, args.port)
-    url = f"http://127.0.0.1:{args.port}"
     rounds: list[dict[str, object]] = []
     try:
-        asyncio.run(run_load(url, Request(images[0], "image/jpeg"), concurrency=4, duration_s=3))
-        # Rounds interleave offline and served measurements: this machine is shared and noisy,
-        # so each ratio compares numbers taken minutes apart at most, and the median is quoted.
-        for index in range(args.rounds):
-            off = offline.measure(args.repeat)
-            print(f"round {index}: offline {off}", flush=True)
-            served = []
-            for c in (int(x) for x in args.concurrency.split(",")):
-                result = asyncio.run(
-                    run_load(url, Request(images[c % 32], "image/jpeg"), concurrency=c,
-                             duration_s=args.duration)
-                )  # fmt: skip
-                row = asdict(result)
-                row["served_over_offline_model_only"] = round(
-                    result.images_per_s / off["model_only_images_per_s"], 3
-                )
-                row["p50_over_offline_batch1"] = round(
-                    result.latency_ms["p50"] / off["decode_and_model_batch1_ms"], 3
-                )
-                served.append(row)
-                print({k: row[k] for k in ("concurrency", "images_per_s", "latency_ms",
-                       "mean_batch_size", "served_over_offline_model_only",
-                       "p50_over_offline_batch1")}, flush=True)  # fmt: skip
-            rounds.append({"offline": off, "served": served})
+        with clipserve_server(server_args) as url:
+            run_point(url, [jpeg_request(images[0])], LoadSpec(concurrency=4, duration_s=3))
+            # Rounds interleave offline and served measurements: this machine is shared and
+            # noisy, so each ratio compares numbers taken minutes apart at most, and the median
+            # is quoted.
+            for index in range(args.rounds):
+                off = offline.measure(args.repeat)
+                print(f"round {index}: offline {off}", flush=True)
+                served = []
+                for c in (int(x) for x in args.concurrency.split(",")):
+                    spec = LoadSpec(concurrency=c, duration_s=args.duration, warmup_s=1.0)
+                    result = run_point(url, [jpeg_request(images[c % 32])], spec)
+                    row = result.to_dict()
+                    row["mean_batch_size"] = (result.server or {}).get("mean_batch_size")
+                    row["served_over_offline_model_only"] = round(
+                        result.images_per_s / off["model_only_images_per_s"], 3
+                    )
+                    row["p50_over_offline_batch1"] = round(
+                        result.latency_ms["p50"] / off["decode_and_model_batch1_ms"], 3
+                    )
+                    served.append(row)
+                    print({k: row[k] for k in ("concurrency", "images_per_s", "latency_ms",
+                           "mean_batch_size", "served_over_offline_model_only",
+                           "p50_over_offline_batch1")}, flush=True)  # fmt: skip
+                rounds.append({"offline": off, "served": served})
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
         offline.runtime.close()
 
     summary = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 import uuid
@@ -220,9 +221,14 @@ def create_app(
         app.state.server = Pipeline(config, rt, batcher, text_batcher, metrics, pool)
         log.info("serving %s with %s on %s", rt.model.identity, rt.backend,
                  ", ".join(ex.info.device for ex in rt.executors))  # fmt: skip
+        # What startup built (the model, torch: ~400k objects) lives as long as the server. Out of
+        # the collector's sight, full collections under load stop stalling the loop 0.3-0.8 s
+        # (bench/goodput.py: p99 of 503s 830 -> 15 ms).
+        gc.freeze()
         try:
             yield {"server": app.state.server}
         finally:
+            gc.unfreeze()
             await asyncio.gather(batcher.stop(), text_batcher.stop())
             pool.shutdown(wait=True)
             rt.close()

@@ -75,6 +75,10 @@ class LimitsConfig:
         256 * 1024 * 1024, "most bytes of request bodies held in memory at once; more get 503"
     )
     max_image_pixels: int = _opt(40_000_000, "largest decoded image (width x height)")
+    max_image_aspect: float = _opt(200.0, "most an image's longer side may exceed its shorter")
+    max_decode_bytes: int = _opt(
+        256 * 1024 * 1024, "most memory decoding one image may take, estimated from its header"
+    )
     max_items_per_request: int = _opt(64, "most images in one request")
     max_text_chars: int = _opt(1000, "longest text in characters for /embed/text")
     decode_workers: int = _opt(
@@ -223,6 +227,8 @@ def validate(config: ServerConfig) -> None:
         f"must be at least --max-body-bytes ({lim.max_body_bytes})",
     )
     _require(lim.max_image_pixels >= 1, "max_image_pixels", "must be positive")
+    _require(lim.max_image_aspect >= 1, "max_image_aspect", "must be at least 1")
+    _require(lim.max_decode_bytes >= 1 << 20, "max_decode_bytes", "must be at least 1 MiB")
     _require(lim.max_text_chars >= 1, "max_text_chars", "must be at least 1")
     _require(lim.max_items_per_request >= 1, "max_items_per_request", "must be at least 1")
     _require(
@@ -256,7 +262,7 @@ def validate(config: ServerConfig) -> None:
     _require(h.max_header_bytes >= 1024, "max_header_bytes", "must be at least 1024")
     _require(h.header_timeout_s > 0, "header_timeout_s", "must be positive")
     _require(h.keep_alive_timeout_s > 0, "keep_alive_timeout_s", "must be positive")
-    _require(h.linger_timeout_s >= 0, "linger_timeout_s", "must not be negative (0 = close at once)")
+    _require(h.linger_timeout_s >= 0, "linger_timeout_s", "must not be negative (0: no linger)")
 
 
 def resolve_workers(requested: int) -> int:

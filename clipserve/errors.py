@@ -118,7 +118,9 @@ class NonFiniteEmbedding(ClipserveError):
 class ExecutorFatal(Exception):
     """Raised by an executor whose device can no longer serve (device lost, context corrupt).
 
-    The worker that sees it fails its batch and stops; `/readyz` then reports not ready.
+    The worker that sees it fails its batch and stops; `/readyz` then reports not ready. GPU
+    executors raise it for sticky CUDA errors, never for out-of-memory
+    (`backends/device.py: is_fatal_device_error`).
     """
 
 

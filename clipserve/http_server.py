@@ -15,10 +15,10 @@ import http
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 import uvicorn
+from uvicorn._types import ASGISendEvent
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from clipserve.config import HttpConfig
@@ -30,17 +30,18 @@ LINGER_IDLE_S = 1.0  # a lingering client that sends nothing for this long is do
 CAP_LOG_INTERVAL_S = 10.0  # at most one "connection cap hit" warning per interval
 FD_HEADROOM = 256  # descriptors the process needs besides its client sockets
 
-ASGISend = Callable[[Any], Awaitable[None]]
 
-
-class _CapLog:
-    """Rate-limited warning for refusals at --max-connections (a flood must not flood the log)."""
+class _Refusals:
+    """Connections refused at --max-connections, shared by one server's connections: how
+    many are still closing (they do not count as open), and a rate-limited warning (a flood
+    of refusals must not flood the log)."""
 
     def __init__(self) -> None:
+        self.closing = 0
         self.last = -math.inf
         self.suppressed = 0
 
-    def refused(self, open_connections: int) -> None:
+    def log(self, open_connections: int) -> None:
         now = time.monotonic()
         if now - self.last < CAP_LOG_INTERVAL_S:
             self.suppressed += 1
@@ -55,12 +56,10 @@ class _CapLog:
 
 
 class _LingeringClose(asyncio.Transport):
-    """Stands in for the transport of a cycle that answered before its body was read: the
-    cycle's `close()` becomes a lingering close. Only such cycles get it; the fast path doesn't."""
+    """The transport as an early-answer cycle sees it: `close()` is a lingering close."""
 
-    def __init__(self, protocol: GuardedHttpProtocol, transport: asyncio.Transport) -> None:
+    def __init__(self, transport: asyncio.Transport) -> None:
         super().__init__()
-        self._protocol = protocol
         self._transport = transport
 
     def write(self, data: bytes | bytearray | memoryview[int]) -> None:
@@ -70,7 +69,26 @@ class _LingeringClose(asyncio.Transport):
         return self._transport.is_closing()
 
     def close(self) -> None:
-        self._protocol.close_lingering()
+        protocol = self._transport.get_protocol()
+        if isinstance(protocol, GuardedHttpProtocol):
+            protocol.close_lingering()
+        else:
+            self._transport.close()
+
+
+class _EarlyAnswerCycle(RequestResponseCycle):
+    """A request whose body was still arriving when its handler could first run. An answer
+    that starts before the body has fully arrived (413, 504, ...) ends the connection:
+    `connection: close`, then a lingering close so the client can read it."""
+
+    async def send(self, message: ASGISendEvent) -> None:
+        if self.more_body and not self.response_started and not self.disconnected:
+            protocol = self.transport.get_protocol()
+            if isinstance(protocol, GuardedHttpProtocol):
+                self.keep_alive = False
+                self.transport = _LingeringClose(self.transport)
+                self.on_response = protocol.count_response
+        await super().send(message)
 
 
 def error_bytes(
@@ -94,11 +112,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     close whenever the server answers before the request body has arrived."""
 
     limits: ClassVar[HttpConfig]
-    cap_log: ClassVar[_CapLog]
+    refusals: ClassVar[_Refusals]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_bytes = 0  # of the request whose headers are arriving
+        self._max_header_bytes = self.limits.max_header_bytes
         self._header_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
         self._linger_deadline = 0.0
@@ -108,18 +127,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # Connection lifecycle
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        open_now = len(self.connections)
-        if open_now >= self.limits.max_connections:
+        super().connection_made(transport)  # registered, so a shutdown closes it too
+        refusals = self.refusals
+        open_before = len(self.connections) - refusals.closing - 1
+        if open_before >= self.limits.max_connections:
             # Answered at once, before the request arrives: refusing must stay cheap for a
             # flood, and the client reads the answer after it has sent its request.
             self._refused = True
-            self.transport = transport
-            self.cap_log.refused(open_now)
-            message = f"{open_now} connections open, the limit (--max-connections)"
+            refusals.closing += 1
+            refusals.log(open_before)
+            message = f"{open_before} connections open, the limit (--max-connections)"
             transport.write(self._error(503, "overloaded", message, [(b"retry-after", b"1")]))
             self.close_lingering()
             return
-        super().connection_made(transport)
         self._header_timer = self.loop.call_later(
             self.limits.header_timeout_s, self._header_timeout
         )
@@ -128,8 +148,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         for timer in (self._header_timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
-        if not self._refused:
-            super().connection_lost(exc)
+        if self._refused:
+            self.refusals.closing -= 1
+        super().connection_lost(exc)
 
     def shutdown(self) -> None:
         if self._linger_bytes >= 0:
@@ -143,54 +164,53 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._linger_bytes >= 0:
             self._linger_bytes += len(data)
             return
+        # The base class is called by name on this per-request path: no super() object.
         cycle = self.cycle
-        if cycle is None or not cycle.more_body:  # these bytes start or continue headers
-            limit = self.limits.max_header_bytes
-            room = limit - self._header_bytes
+        if cycle is not None and cycle.more_body:  # body bytes
+            HttpToolsProtocol.data_received(self, data)
+        else:  # bytes that start or continue a request's headers
             self._header_bytes += len(data)
-            if self._header_bytes > limit:
-                # Feed only what fits: the headers must end inside it, whatever the chunking.
-                view = memoryview(data)
-                super().data_received(view[:room])  # type: ignore[arg-type]
-                if self._header_bytes == 0:  # they did: on_headers_complete reset the count
-                    if self._linger_bytes < 0:
-                        super().data_received(view[room:])  # type: ignore[arg-type]
-                else:
-                    self._refuse(431, "headers_too_large",
-                                 f"request headers exceed {limit} bytes (--max-header-bytes)")  # fmt: skip
+            if self._header_bytes <= self._max_header_bytes:
+                HttpToolsProtocol.data_received(self, data)
+            elif not self._feed_within_cap(data):
                 return
-        super().data_received(data)
-        if self._header_bytes and self._header_timer is None and self._linger_bytes < 0:
-            # Headers of a later request on a kept-alive connection started arriving.
-            self._header_timer = self.loop.call_later(
-                self.limits.header_timeout_s, self._header_timeout
-            )
+            if self._linger_bytes >= 0:
+                return
+            if self._header_bytes and self._header_timer is None:
+                # Headers of a later request on a kept-alive connection started arriving.
+                self._header_timer = self.loop.call_later(
+                    self.limits.header_timeout_s, self._header_timeout
+                )
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body and type(cycle) is RequestResponseCycle:
+            # Its handler may answer before the rest arrives; only such cycles pay for the check.
+            cycle.__class__ = _EarlyAnswerCycle
+
+    def _feed_within_cap(self, data: bytes) -> bool:
+        """Feed only what fits under the cap: the headers must end inside it, whatever the
+        chunking. False if they did not (answered 431)."""
+        limit = self.limits.max_header_bytes
+        room = limit - (self._header_bytes - len(data))
+        view = memoryview(data)
+        super().data_received(view[:room])  # type: ignore[arg-type]
+        if self._header_bytes:  # on_headers_complete resets the count: they did not end
+            self._refuse(431, "headers_too_large",
+                         f"request headers exceed {limit} bytes (--max-header-bytes)")  # fmt: skip
+            return False
+        if self._linger_bytes < 0:
+            super().data_received(view[room:])  # type: ignore[arg-type]
+        return True
 
     def on_headers_complete(self) -> None:
         self._header_bytes = 0
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
-        super().on_headers_complete()
-        cycle = self.cycle
-        if cycle is not None and cycle.scope is self.scope:
-            cycle.send = self._closing_send(cycle, cycle.send)  # type: ignore[method-assign]
+        HttpToolsProtocol.on_headers_complete(self)
 
-    def _closing_send(self, cycle: RequestResponseCycle, send: ASGISend) -> ASGISend:
-        """An answer that starts before the body has fully arrived (413, 504, ...) ends the
-        connection: `connection: close`, then a lingering close so the client can read it."""
-
-        async def closing_send(message: Any) -> None:
-            if cycle.more_body and not cycle.response_started and not cycle.disconnected:
-                cycle.keep_alive = False
-                cycle.transport = _LingeringClose(self, self.transport)
-                cycle.on_response = self._count_response
-            await send(message)
-
-        return closing_send
-
-    def _count_response(self) -> None:
-        self.server_state.total_requests += 1  # what on_response_complete would have counted
+    def count_response(self) -> None:
+        """What on_response_complete counts, without its keep-alive work on a closing line."""
+        self.server_state.total_requests += 1
 
     def _header_timeout(self) -> None:
         self._header_timer = None
@@ -198,8 +218,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.transport.close()
             return
         timeout = self.limits.header_timeout_s
-        self._refuse(408, "header_timeout",
-                     f"request headers not received within {timeout} s (--header-timeout-s)")  # fmt: skip
+        message = f"request headers not received within {timeout} s (--header-timeout-s)"
+        self._refuse(408, "header_timeout", message)
 
     # Answers from the protocol layer: JSON, then a lingering close
 
@@ -250,15 +270,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.transport.close()
             return
         self._linger_bytes = 0
-        self._linger_timer = self.loop.call_later(
-            min(LINGER_IDLE_S, remaining), self._linger_check
-        )
+        self._linger_timer = self.loop.call_later(min(LINGER_IDLE_S, remaining), self._linger_check)
 
 
 def protocol_class(config: HttpConfig) -> type[GuardedHttpProtocol]:
-    """A protocol class bound to these limits, with its own cap log (one per server)."""
+    """A protocol class bound to these limits, with its own refusal count (one per server)."""
     return type(
-        "ClipserveHttpProtocol", (GuardedHttpProtocol,), {"limits": config, "cap_log": _CapLog()}
+        "ClipserveHttpProtocol", (GuardedHttpProtocol,), {"limits": config, "refusals": _Refusals()}
     )
 
 

@@ -7,6 +7,7 @@ one version, "1".
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import orjson
@@ -99,17 +100,15 @@ async def infer(request: Request) -> Response:
         raise UnsupportedMediaType(f"Content-Encoding {encoding[:40]} is not supported; send "
                                    "the request uncompressed")  # fmt: skip
     p = _pipeline(request)
-    limits = p.config.limits
+    limits, header_length = p.config.limits, request.headers.get(codec.HEADER_LENGTH)
     async with p.request(request) as ctx:
         body = await p.read_body(request, ctx)
         with ctx.timer.measure("decode"):  # parsing the body counts as decoding
-            parsed = await p.in_pool(
-                lambda: codec.parse_infer_request(
-                    body, request.headers.get(codec.HEADER_LENGTH), tower=tower,
-                    size=p.runtime.model.preprocess.size,
-                    max_items=limits.max_items_per_request, max_text_chars=limits.max_text_chars,
-                )
-            )  # fmt: skip
+            parsed = await p.in_pool(functools.partial(
+                codec.parse_infer_request, body, header_length, tower=tower,
+                size=p.runtime.model.preprocess.size, max_items=limits.max_items_per_request,
+                max_text_chars=limits.max_text_chars,
+            ))  # fmt: skip
         if tower == "text":
             completed = await p.embed_texts(TextWork(parsed.protocol, parsed.texts), ctx)
         else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 from starlette.requests import Request
@@ -23,10 +23,11 @@ from clipserve.protocol.media import JSON
 
 T = TypeVar("T")
 CREATED = 0  # OpenAI's `created` (a Unix time); a served checkpoint has no creation date
-# Statuses OpenAI uses where clipserve's own API says otherwise: a bad field or an input over a
-# per-item limit is a 400 ("invalid request") there; the whole body over the limit stays 413.
-_STATUS = {"invalid_parameter": 400, "too_many_items": 400, "too_many_texts": 400,
-           "text_too_long": 400, "image_too_large": 400}  # fmt: skip
+# Statuses OpenAI uses where clipserve's own API says otherwise: a bad field (422 there) or an
+# input over a per-item limit is a 400 ("invalid request"); a body over the limit stays 413.
+_STATUS = {422: 400}
+_STATUS_OF_CODE = {"too_many_items": 400, "too_many_texts": 400, "text_too_long": 400,
+                   "image_too_large": 400}  # fmt: skip
 
 
 def _pipeline(request: Request) -> Pipeline:
@@ -41,7 +42,7 @@ def model_names(p: Pipeline) -> list[str]:
 
 def render_error(status: int, code: str, message: str) -> Response:
     """Errors on /v1/ in OpenAI's shape, so its clients raise their usual exceptions."""
-    status = 400 if code.startswith("invalid_") and status == 422 else _STATUS.get(code, status)
+    status = _STATUS_OF_CODE.get(code, _STATUS.get(status, status))
     return Response(codec.encode_error(message, status, code), status, media_type=JSON)
 
 
@@ -68,8 +69,9 @@ async def _all(jobs: Sequence[Awaitable[T]]) -> list[T]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     for task in tasks:  # the failure itself, not a sibling's cancellation
-        if not task.cancelled() and task.exception() is not None:
-            raise task.exception()  # type: ignore[misc]
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            raise error
     return [task.result() for task in tasks]
 
 
@@ -84,7 +86,8 @@ async def embeddings(request: Request) -> Response:
         if parsed.texts:
             jobs.append(p.embed_texts(TextWork(protocol, parsed.texts), ctx))
         if parsed.images:
-            jobs.append(p.embed_images(ImageWork(protocol, images=parsed.images), ctx))
+            work = ImageWork(protocol, images=parsed.images, positions=parsed.image_index)
+            jobs.append(p.embed_images(work, ctx))
         completed = await _all(jobs)
     with ctx.timer.measure("encode"):
         indices = [i for i in (parsed.text_index, parsed.image_index) if i]
@@ -105,7 +108,7 @@ async def list_models(request: Request) -> Response:
 
 async def get_model(request: Request) -> Response:
     names = model_names(_pipeline(request))
-    model: Any = request.path_params["model"]
+    model: str = request.path_params["model"]
     if model not in names:
         raise ModelNotFound(f"The model {model!r} does not exist; this server serves "
                             f"{', '.join(names)}")  # fmt: skip

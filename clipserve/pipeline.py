@@ -51,6 +51,7 @@ class ImageWork:
     images: Sequence[bytes] = ()
     tensor: np.ndarray | None = None
     single: bool = False  # one image in, one embedding out (not a list)
+    positions: Sequence[int] = ()  # each image's index in a request that mixes in texts (errors)
 
     @property
     def count(self) -> int:
@@ -231,7 +232,8 @@ class Pipeline:
         results = await asyncio.gather(*jobs, return_exceptions=True)
         for index, result in enumerate(results):
             if isinstance(result, ClipserveError):
-                raise result if work.single else with_item_index(result, index)
+                at = work.positions[index] if work.positions else index
+                raise result if work.single else with_item_index(result, at)
             if isinstance(result, BaseException):
                 raise result
         return results  # type: ignore[return-value]

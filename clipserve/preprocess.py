@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from clipserve.errors import ImageTooLarge, InvalidImage, StartupError
+
+if TYPE_CHECKING:
+    from clipserve.config import LimitsConfig
 
 ACCEPTED_FORMATS = ("JPEG", "PNG", "WEBP")
 _RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
@@ -31,6 +35,14 @@ REDUCING_GAP = 3.0
 # region the crop keeps is resized, so tall or thin images cannot allocate gigabytes.
 MAX_RESIZED_PIXELS = 1 << 22
 DEFAULT_MAX_DECODE_BYTES = 256 << 20
+DEFAULT_MAX_ASPECT = 200.0
+# Container structure that costs time or memory out of proportion to its bytes, counted before
+# Pillow parses it (Pillow walks markers and chunks in Python, one by one). Real files stay far
+# below: libjpeg writes 10 scans and ~20 segments, libpng one IDAT per 8 KiB.
+MAX_JPEG_SCANS = 100  # each progressive scan re-reads every block: 1,000 tiny scans took 18 s
+MAX_JPEG_SEGMENTS = 1000  # 1,000,000 empty APP segments (4 MB) took 2.6 s and 130 MB
+MAX_PNG_CHUNKS = 16384  # 1,000,000 empty chunks (12 MB) took 7-13 s
+MAX_PNG_TEXT_CHUNKS = 16  # Pillow inflates each zTXt/iTXt to 1 MiB: 1 KB each on the wire
 
 
 @dataclass(frozen=True)
@@ -62,11 +74,12 @@ class PreprocessSpec:
 
 
 def raster_bytes(img: Image.Image) -> int:
-    """Bytes Pillow holds for `img`'s pixels: 1 per pixel for 1/L/P, 2 for I;16, else 4."""
+    """Bytes Pillow holds for `img`'s pixels: 1 per pixel for 1/L/P, 2 for I;16, else 4, and a
+    pointer per row (a 1 x 40,000,000 image holds 160 MB of pixels and 320 MB of pointers)."""
     width, height = img.size
     mode = img.mode
     per_pixel = 1 if mode in ("1", "L", "P") else 2 if mode.startswith("I;16") else 4
-    return width * height * per_pixel
+    return height * (width * per_pixel + 8)
 
 
 def decode_bytes(img: Image.Image, full_size: tuple[int, int] | None = None) -> int:
@@ -92,6 +105,62 @@ def decode_bytes(img: Image.Image, full_size: tuple[int, int] | None = None) -> 
     return total
 
 
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# The next marker after entropy-coded data: 0xFF (fill bytes allowed) followed by anything but
+# a stuffed zero or a restart marker.
+_JPEG_NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
+
+
+def check_structure(data: bytes) -> None:
+    """Refuse JPEG and PNG files whose marker or chunk counts exceed the limits above; a
+    walk over headers only, O(limit) however the file is built. Other formats pass through."""
+    if data.startswith(b"\xff\xd8"):
+        _check_jpeg(data)
+    elif data.startswith(_PNG_SIGNATURE):
+        _check_png(data)
+
+
+def _check_jpeg(data: bytes) -> None:
+    pos, scans, segments, end = 2, 0, 0, len(data)
+    while pos + 4 <= end:
+        if data[pos] != 0xFF or data[pos + 1] == 0xFF:  # entropy-coded data or fill bytes
+            found = _JPEG_NEXT_MARKER.search(data, pos)
+            if found is None:
+                return
+            pos = found.start()
+            continue
+        marker = data[pos + 1]
+        if marker == 0xD9:  # end of image
+            return
+        segments += 1
+        if segments > MAX_JPEG_SEGMENTS:
+            raise InvalidImage(f"JPEG has more than {MAX_JPEG_SEGMENTS} marker segments")
+        if 0xD0 <= marker <= 0xD7 or marker in (0x01, 0xD8):  # no length field
+            pos += 2
+            continue
+        if marker == 0xDA:
+            scans += 1
+            if scans > MAX_JPEG_SCANS:
+                raise InvalidImage(f"JPEG has more than {MAX_JPEG_SCANS} scans")
+        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+
+
+def _check_png(data: bytes) -> None:
+    pos, chunks, texts, end = len(_PNG_SIGNATURE), 0, 0, len(data)
+    while pos + 8 <= end:
+        kind = data[pos + 4 : pos + 8]
+        chunks += 1
+        if chunks > MAX_PNG_CHUNKS:
+            raise InvalidImage(f"PNG has more than {MAX_PNG_CHUNKS} chunks")
+        if kind in (b"tEXt", b"zTXt", b"iTXt"):
+            texts += 1
+            if texts > MAX_PNG_TEXT_CHUNKS:
+                raise InvalidImage(f"PNG has more than {MAX_PNG_TEXT_CHUNKS} text chunks")
+        if kind == b"IEND":
+            return
+        pos += 12 + int.from_bytes(data[pos : pos + 4], "big")
+
+
 def resized_size(width: int, height: int, spec: PreprocessSpec) -> tuple[int, int]:
     """(width, height) after the resize step, with torchvision's integer rounding."""
     th, tw = spec.size
@@ -114,7 +183,7 @@ class ImageDecoder:
 
     What one decode may allocate is bounded from the header, before any pixel is decoded:
     `max_pixels` (width x height) and `max_bytes` (`decode_bytes`: the decoded mode's bytes per
-    pixel, times the copies the format's decoder and the resize make).
+    pixel, times the copies the format's decoder and the resize make) and `max_aspect`.
     """
 
     def __init__(
@@ -123,17 +192,29 @@ class ImageDecoder:
         max_pixels: int,
         *,
         max_bytes: int = DEFAULT_MAX_DECODE_BYTES,
+        max_aspect: float = DEFAULT_MAX_ASPECT,
         fast: bool = True,
     ) -> None:
         self.spec = spec
         self.max_pixels = max_pixels
         self.max_bytes = max_bytes
+        self.max_aspect = max_aspect
         self.fast = fast
         self._resample = _RESAMPLE[spec.interpolation]
+
+    @classmethod
+    def from_limits(cls, spec: PreprocessSpec, limits: LimitsConfig) -> ImageDecoder:
+        return cls(
+            spec,
+            limits.max_image_pixels,
+            max_bytes=limits.max_decode_bytes,
+            max_aspect=limits.max_image_aspect,
+        )
 
     def __call__(self, data: bytes) -> np.ndarray:
         if not data:
             raise InvalidImage("empty image body")
+        check_structure(data)
         try:
             img = Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS)
         except UnidentifiedImageError:
@@ -150,6 +231,12 @@ class ImageDecoder:
             )
         if width < 1 or height < 1:
             raise InvalidImage(f"image has no pixels ({width}x{height})")
+        if max(width, height) > self.max_aspect * min(width, height):
+            # Bounds the work per pixel too: decoding costs per row as well as per pixel.
+            raise InvalidImage(
+                f"{width}x{height} image has an aspect ratio over {self.max_aspect:g}:1 "
+                "(--max-image-aspect)"
+            )
         try:
             return self._crop(img)
         except (OSError, ValueError, SyntaxError, EOFError) as e:

@@ -3,7 +3,13 @@
 Each device gets one thread that builds, warms up and later runs its executor; no other thread
 ever runs the model. On the CPU this matters: every thread that runs a torch op gets its own
 OpenMP team, and once libgomp manages more threads than there are cores it stops spin-waiting,
-which made batch-1 inference 30% slower here (bench/results/served_vs_offline-*.json).
+which made batch-1 inference 30% slower here (bench/results/served_vs_offline-*.json). On
+CUDA the thread selects its device before anything else runs on it (`device_thread`), so no
+thread ever creates a context on a GPU it does not serve.
+
+`--backend auto` tries its candidates in order and keeps the first that builds and warms up on
+every device: a backend that cannot start (no TensorRT libraries, an engine that fails to build)
+is logged and skipped.
 """
 
 from __future__ import annotations
@@ -11,13 +17,16 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures.thread import BrokenThreadPool
 from dataclasses import dataclass
 
 import numpy as np
 
 from clipserve.backends.base import Executor, warmup_sizes
-from clipserve.backends.registry import create_executor, resolve_backend, resolve_devices
+from clipserve.backends.device import select_device, selected_device
+from clipserve.backends.registry import backend_candidates, create_executor, resolve_devices
 from clipserve.config import ServerConfig, resolve_workers
+from clipserve.errors import StartupError
 from clipserve.model import LoadedModel, load_model
 from clipserve.preprocess import ImageDecoder
 
@@ -53,6 +62,22 @@ class Runtime:
         _close(self.executors, self.text_executors, self.threads, wait=True)
 
 
+def device_thread(device: str) -> ThreadPoolExecutor:
+    """The one thread that builds and runs `device`'s executors; its initialiser selects the
+    device (torch.cuda.set_device on CUDA) before any other call can touch CUDA."""
+    return ThreadPoolExecutor(
+        1, thread_name_prefix=f"clipserve-{device}", initializer=select_device, initargs=(device,)
+    )
+
+
+def _start_thread(thread: ThreadPoolExecutor, device: str) -> None:
+    try:
+        bound = thread.submit(selected_device).result()
+    except BrokenThreadPool:  # the initialiser raised; concurrent.futures logged the traceback
+        raise StartupError(f"--gpus: could not select {device} (see the log above)") from None
+    assert bound == device
+
+
 def _close(
     executors: list[Executor],
     text_executors: list[Executor],
@@ -62,11 +87,15 @@ def _close(
 ) -> None:
     """Close each executor on its own device's thread (executors[i] and text_executors[i] run on
     threads[i]; either list may be short after a failed build), then stop the threads."""
-    for built in (executors, text_executors):
-        for executor, thread in zip(built, threads, strict=False):
-            thread.submit(executor.close).result()
+    _close_built(executors, threads)
+    _close_built(text_executors, threads)
     for thread in threads:
         thread.shutdown(wait=wait)
+
+
+def _close_built(executors: list[Executor], threads: list[ThreadPoolExecutor]) -> None:
+    for executor, thread in zip(executors, threads, strict=False):
+        thread.submit(executor.close).result()
 
 
 def _build_executor(
@@ -87,6 +116,35 @@ def _build_executor(
     return executor
 
 
+def _build_image_executors(
+    model: LoadedModel, config: ServerConfig, devices: list[str], threads: list[ThreadPoolExecutor]
+) -> tuple[str, list[Executor]]:
+    """One executor per device, all of one backend: the first candidate that starts everywhere.
+    With an explicit --backend its failure is the startup error; under auto it is one log line
+    and the next candidate is tried."""
+    requested = config.backend.backend
+    skipped: list[str] = []
+    for backend in backend_candidates(requested, devices[0]):
+        executors: list[Executor] = []
+        try:
+            for device, thread in zip(devices, threads, strict=True):
+                executors.append(
+                    thread.submit(_build_executor, backend, model, config, device).result()
+                )
+        except Exception as e:
+            _close_built(executors, threads)
+            if requested != "auto":
+                raise
+            reason = str(e) if isinstance(e, StartupError) else f"{type(e).__name__}: {e}"
+            log.warning("--backend auto: %s did not start, trying the next: %s", backend, reason)
+            skipped.append(f"{backend}: {reason}")
+            continue
+        if requested == "auto":
+            log.info("--backend auto picked %s for %s", backend, ", ".join(devices))
+        return backend, executors
+    raise StartupError(f"--backend auto: no backend started on {devices[0]} ({'; '.join(skipped)})")
+
+
 def _build_text_executor(model: LoadedModel, config: ServerConfig, device: str) -> Executor:
     from clipserve.backends.text_torch import TextExecutor
 
@@ -99,16 +157,15 @@ def _build_text_executor(model: LoadedModel, config: ServerConfig, device: str) 
 def build_runtime(config: ServerConfig) -> Runtime:
     """Load, build and warm up everything; raises StartupError with a one-line reason."""
     devices = resolve_devices(config.backend.gpus, config.backend.backend)
-    threads = [ThreadPoolExecutor(1, thread_name_prefix=f"clipserve-{d}") for d in devices]
+    threads = [device_thread(d) for d in devices]
     executors: list[Executor] = []
     text_executors: list[Executor] = []
     try:
-        model = threads[0].submit(load_model, config.model).result()
-        backend = resolve_backend(config.backend.backend, devices[0])
         for device, thread in zip(devices, threads, strict=True):
-            executors.append(
-                thread.submit(_build_executor, backend, model, config, device).result()
-            )
+            _start_thread(thread, device)
+        model = threads[0].submit(load_model, config.model).result()
+        backend, executors = _build_image_executors(model, config, devices, threads)
+        for device, thread in zip(devices, threads, strict=True):
             text_executors.append(
                 thread.submit(_build_text_executor, model, config, device).result()
             )

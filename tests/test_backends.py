@@ -15,7 +15,7 @@ import torch
 from clipserve.backends import cuda_graphs, ort
 from clipserve.backends.base import Executor, normalise_numpy, warmup_sizes
 from clipserve.backends.onnx_export import cached_export
-from clipserve.backends.registry import BACKENDS, create_executor, resolve_backend
+from clipserve.backends.registry import BACKENDS, backend_candidates, create_executor
 from clipserve.commands import summarise_profile
 from clipserve.errors import StartupError
 from clipserve.model import load_model
@@ -132,25 +132,82 @@ def test_unsupported_precision_fails_naming_the_flag(name: str, precision: str, 
         create_executor(name, loaded, config_for(backend=name, precision=precision), "cpu")
 
 
+def trt_cache(**changes: Any) -> ort.TrtCache:
+    fields: dict[str, Any] = {
+        "trt_version": "10.13.3.9",
+        "capability": (9, 0),
+        "precision": "fp16",
+        "size": (224, 224),
+        "profile": (1, 32, 32),
+    }
+    fields.update(changes)
+    return ort.TrtCache(**fields)
+
+
 def test_trt_options_build_one_profile_for_every_batch_size(tmp_path: Path) -> None:
-    opts = ort.trt_provider_options("cuda:1", tmp_path, (224, 224), 32, "fp16")
+    opts = ort.trt_provider_options("cuda:1", trt_cache(profile=ort.trt_profile(32)), tmp_path)
     assert opts["device_id"] == "1"
     assert opts["trt_fp16_enable"] == "True"
     assert opts["trt_profile_min_shapes"] == "pixel_values:1x3x224x224"
     assert opts["trt_profile_opt_shapes"] == "pixel_values:32x3x224x224"
     assert opts["trt_profile_max_shapes"] == "pixel_values:32x3x224x224"
     assert opts["trt_engine_cache_enable"] == "True"
-    assert opts["trt_engine_cache_path"] == opts["trt_timing_cache_path"] == str(tmp_path)
-    assert (
-        ort.trt_provider_options("cuda:0", tmp_path, (336, 336), 8, "fp32")["trt_fp16_enable"]
-        == "False"
+    assert opts["trt_engine_cache_path"] == str(
+        tmp_path / "trt10.13.3.9-sm90-fp16-b1-32-32-224x224"
     )
+    assert opts["trt_timing_cache_path"] == str(tmp_path / "trt10.13.3.9-sm90")
+    fp32 = ort.trt_provider_options(
+        "cuda:0", trt_cache(precision="fp32", size=(336, 336)), tmp_path
+    )
+    assert fp32["trt_fp16_enable"] == "False"
+    assert fp32["trt_profile_max_shapes"] == "pixel_values:32x3x336x336"
+
+
+def test_trt_engine_cache_is_keyed_by_everything_an_engine_depends_on(tmp_path: Path) -> None:
+    """Two configurations never share an engine directory: ORT names engines by graph only."""
+    base = trt_cache()
+    variants = [
+        trt_cache(trt_version="10.14.1.48"),
+        trt_cache(capability=(8, 9)),
+        trt_cache(capability=(12, 0)),
+        trt_cache(precision="fp32"),
+        trt_cache(size=(336, 336)),
+        trt_cache(profile=(1, 64, 64)),
+        trt_cache(profile=(1, 16, 32)),
+        trt_cache(profile=(8, 32, 32)),
+    ]
+    dirs = {c.engine_dir(tmp_path) for c in [base, *variants]}
+    assert len(dirs) == 1 + len(variants)
+    assert trt_cache().engine_dir(tmp_path) == base.engine_dir(tmp_path)  # stable: reused
+    # Timing caches depend on TensorRT and the GPU only: shared across precision and shapes.
+    assert base.timing_dir(tmp_path) == trt_cache(precision="fp32", profile=(1, 8, 8)).timing_dir(
+        tmp_path
+    )
+    assert base.timing_dir(tmp_path) != trt_cache(capability=(8, 9)).timing_dir(tmp_path)
+    assert base.timing_dir(tmp_path) != trt_cache(trt_version="10.14").timing_dir(tmp_path)
+    odd = trt_cache(trt_version="10.x/../../etc", capability=None)  # never leaves the root
+    assert odd.engine_dir(tmp_path).parent == tmp_path and "/" not in odd.key
+    assert "smunknown" in odd.key
+
+
+def test_tensorrt_version_is_a_stable_string() -> None:
+    version = ort.tensorrt_version()
+    assert version and version == ort.tensorrt_version()
+
+
+def test_ort_cuda_never_searches_cudnn_algorithms_exhaustively() -> None:
+    """EXHAUSTIVE (ORT's default) benchmarks every algorithm per new input shape, on the request
+    path for batch sizes warm-up did not cover."""
+    cuda = ort.cuda_provider_options("cuda:2")
+    assert cuda["cudnn_conv_algo_search"] in ("HEURISTIC", "DEFAULT")
+    assert cuda["device_id"] == "2"
 
 
 def test_provider_lists_put_the_wanted_provider_first(tmp_path: Path) -> None:
+    trt = ort.trt_provider_options("cuda:0", trt_cache(), tmp_path)
+
     def names(backend: str) -> list[str]:
-        providers = ort.providers_for(backend, "cuda:0", tmp_path, (224, 224), 8, "fp16")
-        return [name for name, _ in providers]
+        return [name for name, _ in ort.providers_for(backend, "cuda:0", trt)]
 
     assert names("ort-trt") == [ort.TRT, ort.CUDA, ort.CPU]
     assert names("ort-cuda") == [ort.CUDA, ort.CPU]
@@ -173,9 +230,9 @@ def test_cuda_graph_buckets() -> None:
 
 
 def test_auto_picks_torch_on_cpu_and_unknown_names_fail() -> None:
-    assert resolve_backend("auto", "cpu") == "torch"  # faster than ort-cpu here (bench/)
+    assert backend_candidates("auto", "cpu")[0] == "torch"  # faster than ort-cpu here (bench/)
     with pytest.raises(StartupError, match="unknown backend"):
-        resolve_backend("nope", "cpu")
+        backend_candidates("nope", "cpu")
     assert {"torch", "cuda-graphs", "ort-cpu", "ort-cuda", "ort-trt", "fake"} <= set(BACKENDS)
 
 
@@ -221,11 +278,13 @@ def test_export_and_profile_commands(tiny_config: Path, tiny_checkpoint: Path,
 def test_gpu_parity(name: str, loaded: Any, config_for: Any) -> None:
     try:
         executor = create_executor(name, loaded, config_for(backend=name, gpus="0"), "cuda:0")
-    except StartupError as e:
+    except StartupError as e:  # a provider or library this host lacks: named in the reason
         pytest.skip(f"{name} cannot start here: {e}")
-    executor.warmup(warmup_sizes(8))
-    for n in (1, 3, 8):
-        x = batch(n, seed=n)
-        assert min_cosine(executor.run(x), reference(loaded, x)) >= FP16_MIN_COSINE
-    assert (executor.memory() or 0) > 0
-    executor.close()
+    try:
+        executor.warmup(warmup_sizes(8))
+        for n in (1, 3, 8):
+            x = batch(n, seed=n)
+            assert min_cosine(executor.run(x), reference(loaded, x)) >= FP16_MIN_COSINE
+        assert (executor.memory() or 0) > 0
+    finally:
+        executor.close()

@@ -379,8 +379,7 @@ def test_items_that_cannot_finish_in_time_make_way_for_those_that_can() -> None:
 def test_an_idle_worker_still_runs_work_its_estimate_calls_too_slow() -> None:
     async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
         await measured(batcher)  # 200 ms per batch
-        with pytest.raises(RequestTimeout):
-            await submit(batcher, 5, timeout_s=0.1)  # admitted: nothing is ahead of it
-        assert fakes[0].attempts == [1, 1]  # it ran: a stale estimate gets measured again
+        await submit(batcher, 5, timeout_s=0.1)  # admitted and run: nothing is ahead of it
+        assert fakes[0].attempts == [1, 1]  # so a stale estimate is measured again
 
     run(test, latency_ms=200)

@@ -26,6 +26,7 @@ LIMITS = {
     "backend": "fake",
     "max_header_bytes": 16384,
     "header_timeout_s": 0.5,
+    "keep_alive_timeout_s": 0.5,
     "linger_timeout_s": 2,
     "request_timeout_s": 0.5,
     "max_body_bytes": 1024 * 1024,
@@ -155,7 +156,7 @@ def test_headers_dripped_slowly_get_408_and_a_close(server: RunningServer) -> No
 def test_malformed_request_gets_a_json_400(server: RunningServer) -> None:
     sock = connect(server)
     sock.sendall(b"NOT AN HTTP REQUEST\r\n\r\n")
-    status, headers, body = read_response(sock)
+    status, _, body = read_response(sock)
     assert status == 400 and error_code(body) == "invalid_request", body
     assert closed_within(sock, 3)
 
@@ -164,7 +165,9 @@ def test_urllib_sending_an_oversized_body_reads_the_413(server: RunningServer) -
     # urllib sends the whole body before it reads anything; a plain close resets the connection
     # and the client never sees why.
     request = urllib.request.Request(
-        server.url + "/embed", data=b"\0" * (16 * 1024 * 1024), headers={"Content-Type": "image/png"}
+        server.url + "/embed",
+        data=b"\0" * (16 * 1024 * 1024),
+        headers={"Content-Type": "image/png"},
     )
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=10)
@@ -198,6 +201,17 @@ def test_keep_alive_survives_complete_requests(server: RunningServer) -> None:
         assert status == 200 and "connection" not in headers, body
     sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
     assert read_response(sock)[0] == 200
+
+
+def test_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout(
+    server: RunningServer,
+) -> None:
+    sock = connect(server)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+    assert read_response(sock)[0] == 200
+    t0 = time.monotonic()
+    assert closed_within(sock, 3)
+    assert time.monotonic() - t0 < 1.5
 
 
 def test_connections_over_the_cap_are_refused_fast_and_logged(

@@ -53,7 +53,6 @@ def test_poisoned_requests_fail_alone_in_a_stream(serve: Serve) -> None:
     statuses = [r.status_code for r, _ in answers]
     assert statuses == [500 if m == 7 else 200 for m in marks]  # 0 clean requests failed
     fake = server.state.runtime.executors[0]
-    print(fake.attempts, fake.batches)
     assert fake.items_run == 57
     # a retry means a poisoned item shared its batch with clean ones, which then got their 200
     assert metric(server, 'clipserve_batch_retries_total{device="sim:0"}') >= 2

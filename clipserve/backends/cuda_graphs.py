@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from clipserve.backends.base import check_batch, warmup_sizes
+from clipserve.backends.device import device_context, fatal_device_errors
 from clipserve.backends.torch_eager import TorchExecutor, default_precision
 from clipserve.errors import StartupError
 
@@ -74,11 +75,14 @@ class CudaGraphExecutor(TorchExecutor):
         self._graphs[n] = (graph, static_in, static_out)
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
-        """Capture every bucket now, largest first so the smaller ones share its memory pool."""
+        """Capture every bucket now, largest first so the smaller ones share its memory pool.
+        Inside this device's context: torch.cuda.graph synchronises and empties the cache on the
+        *current* device, which on a thread that had not selected one would be GPU 0."""
         t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for n in sorted(self.buckets, reverse=True):
-            self._capture(n, pool)
+        with fatal_device_errors(self.info.device), device_context(self.info.device):
+            pool = torch.cuda.graph_pool_handle()
+            for n in sorted(self.buckets, reverse=True):
+                self._capture(n, pool)
         log.info("captured CUDA graphs for buckets %s in %.1f s", self.buckets,
                  time.perf_counter() - t0)  # fmt: skip
 
@@ -88,8 +92,13 @@ class CudaGraphExecutor(TorchExecutor):
         check_batch(batch, self.spec)
         n = batch.shape[0]
         graph, static_in, static_out = self._graphs[bucket_for(n, self.buckets)]
-        host = torch.from_numpy(np.ascontiguousarray(batch)).pin_memory()
-        with torch.inference_mode(), torch.cuda.stream(self.stream):
+        with (
+            fatal_device_errors(self.info.device),  # e.g. an illegal address during replay
+            device_context(self.info.device),
+            torch.inference_mode(),
+            torch.cuda.stream(self.stream),
+        ):
+            host = torch.from_numpy(np.ascontiguousarray(batch)).pin_memory()
             static_in[:n].copy_(host, non_blocking=True)
             graph.replay()
             return static_out[:n].cpu().numpy()  # the copy waits for the replay on this stream

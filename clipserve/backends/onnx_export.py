@@ -16,6 +16,8 @@ import io
 import json
 import logging
 import time
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,15 +48,33 @@ class ExportedModel:
     precision: str
 
 
+@contextlib.contextmanager
+def onnxruntime_warnings_logged() -> Iterator[None]:
+    """onnxruntime reports its environment (a distro it was not tested on, a bundled CUDA plugin
+    that cannot load, missing CUDA libraries) as Python warnings at import and in preload_dlls:
+    diagnostics for the server log. What they lead to (a provider that cannot run) is checked
+    and refused with one clear StartupError by the executor."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for warning in caught:
+        log.warning("onnxruntime: %s", warning.message)
+
+
+def import_onnxruntime() -> Any:
+    with onnxruntime_warnings_logged():
+        import onnxruntime
+    return onnxruntime
+
+
 def library_versions() -> dict[str, str]:
     import onnx
-    import onnxruntime
     import torch
 
     from clipserve import __version__
 
     return {"clipserve": __version__, "torch": torch.__version__, "onnx": onnx.__version__,
-            "onnxruntime": onnxruntime.__version__, "opset": str(OPSET)}  # fmt: skip
+            "onnxruntime": import_onnxruntime().__version__, "opset": str(OPSET)}  # fmt: skip
 
 
 def cache_key(model: LoadedModel, digest: str) -> str:
@@ -124,8 +144,7 @@ def export_image_tower(model: LoadedModel, path: Path, precision: str) -> None:
 def session_options(precision: str, threads: int = 0) -> Any:
     """ORT_ENABLE_ALL adds the CPU EP's layout transforms, which crash (SIGSEGV, onnxruntime
     1.31) on FP16 graphs: FP16 sessions stop at ORT_ENABLE_EXTENDED."""
-    import onnxruntime as ort
-
+    ort = import_onnxruntime()
     options = ort.SessionOptions()
     levels = ort.GraphOptimizationLevel
     options.graph_optimization_level = (
@@ -139,10 +158,11 @@ def session_options(precision: str, threads: int = 0) -> Any:
 
 def compare_with_torch(model: LoadedModel, exported: ExportedModel, batch: int = 4) -> float:
     """Min cosine between ONNX Runtime (CPU) and PyTorch FP32 over one random uint8 batch."""
-    import onnxruntime as ort
     import torch
 
     from clipserve.backends.base import normalise_numpy
+
+    ort = import_onnxruntime()
 
     rng = np.random.default_rng(0)
     h, w = model.preprocess.size

@@ -7,28 +7,39 @@ where the tests exercise it.
 
 onnxruntime-gpu lists the CUDA and TensorRT providers even where they cannot load, and a session
 asked for them silently falls back to the CPU: the providers a session actually got are checked,
-and a GPU backend that did not get its provider refuses to start.
+and a GPU backend that did not get its provider refuses to start. Providers that are not even
+installed are never requested (ONNX Runtime would only warn), so the refusal is one clear error.
+
+TensorRT engines are cached per TensorRT version, GPU compute capability, precision and shape
+profile (`trt_cache_key`): ONNX Runtime names engine files by graph, so two configurations
+sharing one directory would load or overwrite each other's engines.
 """
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
+import importlib.metadata
 import importlib.util
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from clipserve.backends.base import ExecutorInfo, check_batch
+from clipserve.backends.device import cuda_index, fatal_device_errors
 from clipserve.backends.onnx_export import (
     INPUT,
     OUTPUT,
     PIXELS,
     ExportedModel,
     cached_export,
+    import_onnxruntime,
+    onnxruntime_warnings_logged,
     session_options,
 )
 from clipserve.config import resolve_workers
@@ -54,6 +65,9 @@ SUPPORTED_PRECISIONS = {
     "ort-trt": ("fp16", "fp32"),
 }
 TRT_WORKSPACE_BYTES = 4 << 30
+# pip distributions that carry TensorRT, newest naming first (their version is TensorRT's).
+TRT_DISTRIBUTIONS = ("tensorrt-cu13-libs", "tensorrt-cu12-libs", "tensorrt-cu13", "tensorrt-cu12",
+                     "tensorrt-libs", "tensorrt")  # fmt: skip
 
 
 def device_id(device: str) -> int:
@@ -70,34 +84,102 @@ def cuda_provider_options(device: str) -> dict[str, str]:
         "device_id": str(device_id(device)),
         # Grow the arena by what is asked, not powers of two: a server's shapes are bounded.
         "arena_extend_strategy": "kSameAsRequested",
-        "cudnn_conv_algo_search": "EXHAUSTIVE",
+        # EXHAUSTIVE (ORT's default) benchmarks every cuDNN algorithm the first time it sees an
+        # input shape: warm-up covers only some batch sizes, so the others would pay for that
+        # search on a user's request. The only convolution in a ViT is the patch embedding.
+        "cudnn_conv_algo_search": "HEURISTIC",
         "do_copy_in_default_stream": "1",
     }
 
 
-def trt_provider_options(
-    device: str, cache: Path, size: tuple[int, int], max_batch: int, precision: str
-) -> dict[str, str]:
-    """Explicit min/opt/max profile, so one engine serves every batch size from 1 to max_batch
+def trt_profile(max_batch: int) -> tuple[int, int, int]:
+    """Batch sizes of the TensorRT shape profile: min, opt, max. opt is the largest batch:
+    where throughput matters."""
+    return 1, max_batch, max_batch
+
+
+def tensorrt_version() -> str:
+    """TensorRT's version as installed: from its pip distribution, else from libnvinfer."""
+    for dist in TRT_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    lib = ctypes.util.find_library("nvinfer")
+    if lib is not None:
+        try:
+            return f"lib{ctypes.CDLL(lib).getInferLibVersion()}"
+        except (OSError, AttributeError):
+            pass
+    return "unknown"
+
+
+def compute_capability(device: str) -> tuple[int, int] | None:
+    """None where CUDA cannot be reached: the TensorRT session will then be refused anyway."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(cuda_index(device) or 0)
+    return int(major), int(minor)
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "._" else "_" for c in text)
+
+
+@dataclass(frozen=True)
+class TrtCache:
+    """Everything a built TensorRT engine depends on besides the graph (the export's own cache
+    key covers the graph): one engine directory per distinct value, so two configurations never
+    load or overwrite each other's engines."""
+
+    trt_version: str
+    capability: tuple[int, int] | None  # the GPU's compute capability
+    precision: str
+    size: tuple[int, int]  # (height, width)
+    profile: tuple[int, int, int]  # batch sizes: min, opt, max
+
+    @property
+    def device_key(self) -> str:
+        sm = "".join(map(str, self.capability)) if self.capability else "unknown"
+        return f"trt{_safe(self.trt_version)}-sm{sm}"
+
+    @property
+    def key(self) -> str:
+        (h, w), (lo, opt, hi) = self.size, self.profile
+        return f"{self.device_key}-{self.precision}-b{lo}-{opt}-{hi}-{h}x{w}"
+
+    def engine_dir(self, root: Path) -> Path:
+        return root / self.key
+
+    def timing_dir(self, root: Path) -> Path:
+        """Timing caches depend only on TensorRT and the GPU: shared across precisions and
+        profiles, which makes their builds faster."""
+        return root / self.device_key
+
+
+def trt_provider_options(device: str, cache: TrtCache, root: Path) -> dict[str, str]:
+    """Explicit min/opt/max profile, so one engine serves every batch size from 1 to the largest
     (without it the EP rebuilds whenever a batch exceeds the shapes seen so far); engines and
-    the timing cache persist in `cache`. opt is the largest batch: where throughput matters."""
-    h, w = size
+    the timing cache persist under `root`, keyed by `cache`."""
+    (h, w), (lo, opt, hi) = cache.size, cache.profile
     return {
         "device_id": str(device_id(device)),
-        "trt_fp16_enable": "True" if precision == "fp16" else "False",
+        "trt_fp16_enable": "True" if cache.precision == "fp16" else "False",
         "trt_engine_cache_enable": "True",
-        "trt_engine_cache_path": str(cache),
+        "trt_engine_cache_path": str(cache.engine_dir(root)),
         "trt_timing_cache_enable": "True",
-        "trt_timing_cache_path": str(cache),
+        "trt_timing_cache_path": str(cache.timing_dir(root)),
         "trt_max_workspace_size": str(TRT_WORKSPACE_BYTES),
-        "trt_profile_min_shapes": shape_spec(INPUT, 1, h, w),
-        "trt_profile_opt_shapes": shape_spec(INPUT, max_batch, h, w),
-        "trt_profile_max_shapes": shape_spec(INPUT, max_batch, h, w),
+        "trt_profile_min_shapes": shape_spec(INPUT, lo, h, w),
+        "trt_profile_opt_shapes": shape_spec(INPUT, opt, h, w),
+        "trt_profile_max_shapes": shape_spec(INPUT, hi, h, w),
     }
 
 
 def providers_for(
-    backend: str, device: str, cache: Path, size: tuple[int, int], max_batch: int, precision: str
+    backend: str, device: str, trt: dict[str, str] | None = None
 ) -> list[tuple[str, dict[str, str]]]:
     """The provider list for a session: the wanted provider first, then its fallbacks for nodes
     it cannot run (TensorRT → CUDA → CPU). Whether the wanted one loaded is checked after."""
@@ -106,16 +188,18 @@ def providers_for(
     cuda = (CUDA, cuda_provider_options(device))
     if backend == "ort-cuda":
         return [cuda, (CPU, {})]
-    trt = (TRT, trt_provider_options(device, cache, size, max_batch, precision))
-    return [trt, cuda, (CPU, {})]
+    if trt is None:
+        raise ValueError("ort-trt needs its TensorRT provider options")
+    return [(TRT, trt), cuda, (CPU, {})]
 
 
-def check_providers(backend: str, device: str, got: Sequence[str]) -> None:
+def check_providers(backend: str, device: str, got: Sequence[str], *, installed: bool) -> None:
     wanted = PROVIDER[backend]
     if wanted not in got:
+        where = "this onnxruntime build has" if installed else "the session got"
         raise StartupError(
-            f"--backend {backend}: ONNX Runtime could not use {wanted} on {device} (the session "
-            f"got {', '.join(got)}); {INSTALL_HINT[backend]}"
+            f"--backend {backend}: ONNX Runtime could not use {wanted} on {device} ({where} "
+            f"{', '.join(got)}); {INSTALL_HINT[backend]}"
         )
 
 
@@ -127,18 +211,21 @@ def tensorrt_libraries_present() -> bool:
     )
 
 
-def _available(backend: str, device: str) -> bool:
+def unavailable_reason(backend: str, device: str) -> str | None:
+    """Why `backend` cannot run on `device` (None if it may); `--backend auto` logs it."""
     try:
-        import onnxruntime as ort
-    except ImportError:
-        return False
+        ort = import_onnxruntime()
+    except ImportError as e:
+        return f"onnxruntime cannot be imported ({e}); {INSTALL_HINT[backend]}"
     if PROVIDER[backend] not in ort.get_available_providers():
-        return False
+        return f"this onnxruntime build has no {PROVIDER[backend]}; {INSTALL_HINT[backend]}"
     if backend == "ort-cpu":
-        return device == "cpu"
+        return None if device == "cpu" else "serves on the CPU only"
     if not device.startswith("cuda"):
-        return False
-    return backend != "ort-trt" or tensorrt_libraries_present()
+        return "needs a CUDA device"
+    if backend == "ort-trt" and not tensorrt_libraries_present():
+        return f"TensorRT libraries not found; {INSTALL_HINT[backend]}"
+    return None
 
 
 class OrtExecutor:
@@ -154,27 +241,35 @@ class OrtExecutor:
         threads: int,
         enable_profiling: bool = False,
     ) -> None:
-        import onnxruntime as ort
-
+        ort = import_onnxruntime()
         self.ort = ort
         self.spec = model.preprocess
         self.backend = backend
+        self.device = device
         self.device_type = "cpu" if device == "cpu" else "cuda"
         self.device_id = device_id(device)
+        trt: dict[str, str] | None = None
+        if backend == "ort-trt":
+            cache = TrtCache(tensorrt_version(), compute_capability(device), precision,
+                             self.spec.size, trt_profile(max_batch_size))  # fmt: skip
+            trt = trt_provider_options(device, cache, exported.directory / "trt")
+            for key in ("trt_engine_cache_path", "trt_timing_cache_path"):
+                Path(trt[key]).mkdir(parents=True, exist_ok=True)
+            log.info("TensorRT engines for %s: %s", device, trt["trt_engine_cache_path"])
+        # Only installed providers are requested: ONNX Runtime merely warns about the others.
+        installed = ort.get_available_providers()
+        providers = [p for p in providers_for(backend, device, trt) if p[0] in installed]
+        check_providers(backend, device, [name for name, _ in providers], installed=True)
         if self.device_type == "cuda" and hasattr(ort, "preload_dlls"):
-            ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels that PyTorch also uses
+            with onnxruntime_warnings_logged():  # diagnostics about CUDA libraries, for the log
+                ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels that PyTorch also uses
         options = session_options(exported.precision, threads)
         if enable_profiling:
             options.enable_profiling = True
             options.profile_file_prefix = str(exported.directory / f"profile-{backend}")
-        trt_cache = exported.directory / "trt"
-        trt_cache.mkdir(exist_ok=True)
-        providers = providers_for(
-            backend, device, trt_cache, self.spec.size, max_batch_size, precision
-        )
         t0 = time.perf_counter()
         self.image = ort.InferenceSession(str(exported.image), options, providers=providers)
-        check_providers(backend, device, self.image.get_providers())
+        check_providers(backend, device, self.image.get_providers(), installed=False)
         # The normalisation prefix is tiny: CUDA (or CPU) is enough, TensorRT would add a build.
         prefix_providers = [p for p in providers if p[0] != TRT]
         self.normalize = ort.InferenceSession(str(exported.normalize), options,
@@ -198,6 +293,13 @@ class OrtExecutor:
              value.data_ptr())  # fmt: skip
 
     def run(self, batch: np.ndarray) -> np.ndarray:
+        if self.device_type == "cpu":
+            return self._run(batch)
+        # "CUDA error cudaErrorIllegalAddress: ..." and the like leave the device unusable.
+        with fatal_device_errors(self.device):
+            return self._run(batch)
+
+    def _run(self, batch: np.ndarray) -> np.ndarray:
         check_batch(batch, self.spec)
         n = batch.shape[0]
         if n > self.max_batch:
@@ -253,6 +355,14 @@ def create_ort(
         )
     if backend != "ort-cpu" and not device.startswith("cuda"):
         raise StartupError(f"--backend {backend} needs a CUDA device; --gpus resolved to {device}")
+    try:
+        ort = import_onnxruntime()
+    except ImportError as e:
+        raise StartupError(
+            f"--backend {backend}: onnxruntime cannot be imported ({e}); {INSTALL_HINT[backend]}"
+        ) from None
+    # Before the export, which takes minutes for a real model.
+    check_providers(backend, device, ort.get_available_providers(), installed=True)
     # TensorRT takes the FP32 graph and builds FP16 kernels itself (trt_fp16_enable).
     graph_precision = "fp32" if backend == "ort-trt" else precision
     exported = cached_export(model, Path(config.model.cache_dir), graph_precision)
@@ -275,12 +385,12 @@ def create_trt(model: LoadedModel, config: ServerConfig, device: str) -> OrtExec
 
 
 def available_cpu(device: str) -> bool:
-    return _available("ort-cpu", device)
+    return unavailable_reason("ort-cpu", device) is None
 
 
 def available_cuda(device: str) -> bool:
-    return _available("ort-cuda", device)
+    return unavailable_reason("ort-cuda", device) is None
 
 
 def available_trt(device: str) -> bool:
-    return _available("ort-trt", device)
+    return unavailable_reason("ort-trt", device) is None

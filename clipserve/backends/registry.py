@@ -42,7 +42,8 @@ BACKENDS: dict[str, BackendEntry] = {
     "fake": BackendEntry("clipserve.backends.fake", None, simulated=True),
 }  # fmt: skip
 
-# `--backend auto` takes the first of these that is registered and available on the device.
+# `--backend auto` tries these in order, keeping the first that is available on the device and
+# starts there (runtime.py); each one skipped is logged with its reason.
 # On the CPU torch comes before ort-cpu: faster at every batch size measured here
 # (bench/results/executors-cpu.json), once torch runs on a single OpenMP team (runtime.py).
 AUTO_ORDER = ("ort-trt", "cuda-graphs", "ort-cuda", "torch", "ort-cpu")
@@ -86,27 +87,44 @@ def resolve_devices(gpus: str, backend: str) -> list[str]:
     return [f"cuda:{i}" for i in ids]
 
 
-def resolve_backend(name: str, device: str) -> str:
+def unavailable_reason(name: str, device: str) -> str | None:
+    """Why backend `name` cannot run on `device`, or None if it may (building it may still fail).
+    A backend module may explain itself with `unavailable_reason(backend, device) -> str | None`."""
+    entry = BACKENDS[name]
+    if entry.gpu_only and not device.startswith("cuda"):
+        return "needs a CUDA device"
+    try:
+        module = _module(name)
+    except StartupError as e:
+        return str(e)
+    available: Callable[[str], bool] = getattr(module, entry.available)
+    if available(device):
+        return None
+    explain: Callable[[str, str], str | None] | None = getattr(module, "unavailable_reason", None)
+    return (explain(name, device) if explain else None) or f"not available on {device}"
+
+
+def backend_candidates(name: str, device: str) -> list[str]:
+    """`--backend NAME` → [NAME]. `auto` → every backend of AUTO_ORDER that may run on `device`,
+    best first; each one left out is logged with its reason. The runtime builds them in turn
+    and keeps the first that starts, so a backend that fails to start is skipped too."""
     if name != "auto":
         if name not in BACKENDS:
             choices = ", ".join(["auto", *sorted(BACKENDS)])
             raise StartupError(f"--backend: unknown backend {name!r}; choose one of {choices}")
-        return name
+        return [name]
+    candidates = []
     for candidate in AUTO_ORDER:
         if candidate not in BACKENDS:
             continue
-        entry = BACKENDS[candidate]
-        if entry.gpu_only and not device.startswith("cuda"):
-            continue
-        try:
-            module = _module(candidate)
-        except StartupError:
-            continue
-        available: Callable[[str], bool] = getattr(module, entry.available)
-        if available(device):
-            log.info("--backend auto picked %s for %s", candidate, device)
-            return candidate
-    raise StartupError(f"--backend auto: no backend can run on {device}")
+        reason = unavailable_reason(candidate, device)
+        if reason is None:
+            candidates.append(candidate)
+        else:
+            log.info("--backend auto: skipping %s on %s: %s", candidate, device, reason)
+    if not candidates:
+        raise StartupError(f"--backend auto: no backend can run on {device}")
+    return candidates
 
 
 def create_executor(name: str, model: LoadedModel, config: ServerConfig, device: str) -> Executor:

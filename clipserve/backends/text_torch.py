@@ -1,4 +1,8 @@
-"""The text tower on PyTorch, on the same device (and device thread) as the image executor."""
+"""The text tower on PyTorch, on the same device (and device thread) as the image executor.
+
+On CUDA it runs on a stream of its own, never the device's default stream, so text batches do
+not queue behind image batches (or an ONNX Runtime image executor's default-stream copies).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import numpy as np
 import torch
 
 from clipserve.backends.base import ExecutorInfo
+from clipserve.backends.device import device_context, fatal_device_errors
 from clipserve.backends.torch_eager import default_precision
 
 if TYPE_CHECKING:
@@ -30,7 +35,10 @@ class TextExecutor:
             module = copy.deepcopy(model.module)
         finally:
             model.module.visual = visual
-        self.module: Any = module.to(self.device, _DTYPES[precision]).eval()
+        self.is_cuda = self.device.type == "cuda"
+        with device_context(device):
+            self.module: Any = module.to(self.device, _DTYPES[precision]).eval()
+            self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None  # type: ignore[no-untyped-call]
         self.context_length = int(model.context_length)
         self.info = ExecutorInfo("torch-text", str(self.device), precision, (0, 0),
                                  model.embed_dim)  # fmt: skip
@@ -39,8 +47,16 @@ class TextExecutor:
         if batch.dtype != np.int64 or batch.ndim != 2 or batch.shape[1] != self.context_length:
             raise ValueError(f"expected int64 tokens (N, {self.context_length}); got "
                              f"{batch.dtype} {batch.shape}")  # fmt: skip
-        with torch.inference_mode():
-            tokens = torch.from_numpy(batch).to(self.device)
+        if not self.is_cuda:
+            with torch.inference_mode():
+                return self.module.encode_text(torch.from_numpy(batch)).float().numpy()  # type: ignore[no-any-return]
+        with (
+            fatal_device_errors(self.info.device),
+            device_context(self.info.device),
+            torch.inference_mode(),
+            torch.cuda.stream(self.stream),
+        ):
+            tokens = torch.from_numpy(batch).pin_memory().to(self.device, non_blocking=True)
             out: np.ndarray = self.module.encode_text(tokens).float().cpu().numpy()
         return out
 
@@ -53,3 +69,6 @@ class TextExecutor:
 
     def close(self) -> None:
         del self.module
+        if self.is_cuda:
+            with device_context(self.info.device):
+                torch.cuda.empty_cache()

@@ -11,8 +11,9 @@ import numpy as np
 import torch
 
 from clipserve.backends.base import ExecutorInfo, check_batch, normalisation_affine
+from clipserve.backends.device import device_context, fatal_device_errors
 from clipserve.config import resolve_workers
-from clipserve.errors import ExecutorFatal, StartupError
+from clipserve.errors import StartupError
 
 if TYPE_CHECKING:
     from clipserve.config import ServerConfig
@@ -59,12 +60,16 @@ class TorchExecutor:
         self.device = torch.device(device)
         self.dtype = _DTYPES[precision]
         self.spec = model.preprocess
-        self.visual: Any = copy.deepcopy(model.module.visual).to(self.device, self.dtype).eval()
         self.is_cuda = self.device.type == "cuda"
-        scale, bias = normalisation_affine(self.spec)
-        self._scale = torch.from_numpy(scale).view(1, 3, 1, 1).to(self.device)
-        self._bias = torch.from_numpy(bias).view(1, 3, 1, 1).to(self.device)
-        self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None  # type: ignore[no-untyped-call]
+        with device_context(device):
+            self.visual: Any = copy.deepcopy(model.module.visual).to(self.device, self.dtype)
+            self.visual.eval()
+            scale, bias = normalisation_affine(self.spec)
+            self._scale = torch.from_numpy(scale).view(1, 3, 1, 1).to(self.device)
+            self._bias = torch.from_numpy(bias).view(1, 3, 1, 1).to(self.device)
+            # Its own stream (PyTorch's pool streams do not synchronise with the default stream),
+            # so image batches never queue behind the text tower or a library's default-stream work.
+            self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None  # type: ignore[no-untyped-call]
         if compile:  # shapes vary with the batch size: compile for dynamic batch once
             self.visual = torch.compile(self.visual, dynamic=True)
         self.info = ExecutorInfo(
@@ -89,14 +94,19 @@ class TorchExecutor:
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         check_batch(batch, self.spec)
-        try:
-            with torch.inference_mode(), torch.cuda.stream(self.stream):
-                out = self.forward(self._to_device(batch)).float()
-                if self.is_cuda:
-                    return out.cpu().numpy()  # the copy waits on this stream's work
-                return out.numpy()
-        except torch.AcceleratorError as e:  # the CUDA context is unusable after these
-            raise ExecutorFatal(str(e)) from e
+        if not self.is_cuda:
+            with torch.inference_mode():
+                return self.forward(self._to_device(batch)).float().numpy()
+        # A fatal CUDA error (illegal address, ECC, device lost) leaves the context unusable:
+        # ExecutorFatal stops this worker. Out-of-memory passes through: the batch is split.
+        with (
+            fatal_device_errors(self.info.device),
+            device_context(self.info.device),
+            torch.inference_mode(),
+            torch.cuda.stream(self.stream),
+        ):
+            out = self.forward(self._to_device(batch)).float()
+            return out.cpu().numpy()  # the copy waits on this stream's work
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
         h, w = self.spec.size
@@ -109,7 +119,8 @@ class TorchExecutor:
     def close(self) -> None:
         del self.visual
         if self.is_cuda:
-            torch.cuda.empty_cache()
+            with device_context(self.info.device):
+                torch.cuda.empty_cache()
 
 
 def create(model: LoadedModel, config: ServerConfig, device: str) -> TorchExecutor:

@@ -19,7 +19,6 @@ from clipserve.errors import (
     NonFiniteEmbedding,
     NotReady,
     Overloaded,
-    RequestTimeout,
     with_item_index,
 )
 from clipserve.metrics import Metrics
@@ -146,8 +145,9 @@ class Batcher:
     ) -> Completed:
         """Queue the arrays and wait for their embeddings. Cancelling drops unstarted items.
 
-        Past `deadline` (`time.perf_counter()`; the ticket's by default) this raises
-        RequestTimeout; items that had not started by then never reach the executor.
+        Items still queued when `deadline` (`time.perf_counter()`; the ticket's by default)
+        passes, or too close to it to finish, never reach the executor: this raises
+        RequestTimeout. The caller's own timeout ends the wait for items already computing.
         """
         if not self.alive:
             raise NotReady("no executor worker is alive")
@@ -160,15 +160,12 @@ class Batcher:
         ]
         await self.queue.put(items)
         try:
-            async with asyncio.timeout(None if deadline is None else deadline - now):
-                rows = await asyncio.gather(*(item.future for item in items))
+            rows = await asyncio.gather(*(item.future for item in items))
         except BaseException as exc:
             for item in items:
                 if not item.future.cancel() and not item.future.cancelled():
                     item.future.exception()  # retrieved: asyncio logs none as never retrieved
             self.queue.discard(items)
-            if isinstance(exc, TimeoutError):
-                raise RequestTimeout("deadline passed before the images were computed") from None
             if isinstance(exc, NonFiniteEmbedding) and len(items) > 1:
                 index = next(i for i, it in enumerate(items) if _failed_with(it, exc))
                 raise with_item_index(exc, index) from None

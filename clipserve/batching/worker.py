@@ -132,6 +132,7 @@ class DeviceWorker:
     ) -> None:
         if outcome.fatal is not None:
             return  # the device is gone: what is left stays failed
+        out: np.ndarray | None = None
         try:
             out = self._forward(batch, mask)
         except ExecutorFatal as exc:
@@ -141,8 +142,7 @@ class DeviceWorker:
             if len(batch) == 1 or depth >= MAX_SPLIT_DEPTH:
                 outcome.errors.append(exc)
                 return
-            out = None  # split below, outside the handler: no chained tracebacks
-        if out is None:
+        if out is None:  # split outside the handler, so tracebacks do not chain
             mid = len(batch) // 2
             outcome.retries += 2
             self._bisect(batch[:mid], mask[:mid], offset, outcome, depth + 1)

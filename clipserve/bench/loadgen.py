@@ -162,6 +162,7 @@ class _Run:
                 self._record(self.measure_end - intended)
             return
         self._record(done - intended)
+        t.completed_s += done - intended
         t.statuses[status] += 1
         t.bytes_sent += len(req.body)
         t.bytes_received += len(body)
@@ -253,8 +254,9 @@ class _Run:
                 end = time.perf_counter()
                 self.close_window(end)
             else:
-                while tasks:  # the scheduler adds tasks while it runs: wait until none is left
-                    await asyncio.gather(*list(tasks), return_exceptions=True)
+                # The open-loop scheduler adds tasks while it runs: wait until none is left.
+                while pending := [t for t in tasks if not t.done()]:
+                    await asyncio.gather(*pending, return_exceptions=True)
                 end = time.perf_counter()
                 self.stopping = True
             cpu = time.process_time() - cpu0

@@ -279,8 +279,12 @@ def baseline(plan: Plan) -> tuple[str, Any]:
 
 
 def ceiling(plan: Plan) -> tuple[str, Any]:
+    import shutil
+
     from clipserve.bench.ceiling import compare, summary_markdown
 
+    if not shutil.which("wrk"):
+        return "Skipped: `wrk` is not installed (`apt-get install wrk`).", None
     rounds = compare(
         rounds=2 if plan.quick else 3, seconds=3.0 if plan.quick else 5.0, log=plan.log
     )

@@ -88,14 +88,14 @@ def drive(
 
 
 async def _scrape_once(url: str) -> Any:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
         return await scrape(session, url)
 
 
 def judge(tally: Tally, spec: LoadSpec) -> list[str]:
     warnings = []
     worst = max(tally.cpu_fractions, default=0.0)
-    if worst >= CPU_SATURATED:
+    if worst >= CPU_SATURATED and tally.window_s >= 1.0:
         warnings.append(
             f"client CPU at {worst:.0%} of a core: the load generator may be the bottleneck "
             "(add --procs, or run it on another machine)"
@@ -114,7 +114,8 @@ def judge(tally: Tally, spec: LoadSpec) -> list[str]:
         )
         warnings.append(f"{errors} of {tally.completed} requests failed (most: {worst_status})")
     oldest = tally.unfinished_max_s * 1000
-    if tally.unfinished and oldest > max(1000.0, 3 * tally.latency.percentile_ms(50)):
+    mean_ms = tally.completed_s / tally.completed * 1000 if tally.completed else 0.0
+    if tally.unfinished and oldest > max(1000.0, 3 * mean_ms):
         warnings.append(
             f"{tally.unfinished} requests were still in flight when the window closed, the "
             f"oldest for {oldest:,.0f} ms (counted at their age then: a stall?)"

@@ -84,7 +84,7 @@ def breakdown(before: Samples | None, after: Samples | None) -> Breakdown | None
     ones = 0.0
     for (name, labels), value in d.items():
         lab = dict(labels)
-        if name == "clipserve_requests_total" and value:
+        if name == "clipserve_requests_total" and value and lab.get("route") != "/metrics":
             key = f"{lab.get('route', '')} {lab.get('status', '')}".strip()
             out.requests_by_status[key] = value
         elif name == "clipserve_batch_size_count":

@@ -61,6 +61,7 @@ class Tally:
     items_ok: int = 0
     unfinished: int = 0  # in flight when the window closed (latency recorded as a lower bound)
     unfinished_max_s: float = 0.0  # the oldest of them, then
+    completed_s: float = 0.0  # sum of the completed requests' latencies
     bytes_sent: int = 0
     bytes_received: int = 0
     stage_ms: Counter[str] = field(default_factory=Counter)  # Server-Timing sums over OK answers
@@ -106,6 +107,7 @@ class Tally:
         self.items_ok += other.items_ok
         self.unfinished += other.unfinished
         self.unfinished_max_s = max(self.unfinished_max_s, other.unfinished_max_s)
+        self.completed_s += other.completed_s
         self.bytes_sent += other.bytes_sent
         self.bytes_received += other.bytes_received
         self.stage_ms.update(other.stage_ms)

@@ -71,17 +71,17 @@ class InferRequest:
         return len(self.images) or len(self.texts)
 
 
-def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
-    """The JSON header and the binary tensor data after it."""
+def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
+    """The JSON header and the binary tensor data after it (a view: tensors are not copied)."""
     if header_length is None:
-        return body, b""
+        return body, memoryview(b"")
     raw = header_length.strip()
     if not raw.isdigit() or int(raw) > len(body):
         raise InvalidBody(
             f"{HEADER_LENGTH}: {header_length[:40]!r} is not a length within the "
             f"{len(body)}-byte body"
         )
-    return body[: int(raw)], body[int(raw) :]
+    return body[: int(raw)], memoryview(body)[int(raw) :]
 
 
 def _dims(shape: object) -> list[int]:
@@ -106,7 +106,7 @@ def _element_count(dims: list[int], max_items: int, tower: Tower) -> int:
     return n
 
 
-def _binary_elements(raw: bytes, n: int) -> list[bytes]:
+def _binary_elements(raw: memoryview, n: int) -> list[bytes]:
     """Triton's BYTES layout: each element a 4-byte little-endian length, then its bytes."""
     elements: list[bytes] = []
     offset = 0
@@ -121,7 +121,7 @@ def _binary_elements(raw: bytes, n: int) -> list[bytes]:
             raise InvalidTensor(
                 f"BYTES element {len(elements)}: length {size} runs past the tensor's data"
             )
-        elements.append(raw[offset : offset + size])
+        elements.append(bytes(raw[offset : offset + size]))
         offset += size
     if len(elements) != n:
         raise InvalidTensor(f"BYTES data holds {len(elements)} elements; the shape says {n}")
@@ -141,7 +141,7 @@ def _json_strings(data: object, n: int) -> list[str]:
     return flat  # type: ignore[return-value]
 
 
-def _images(spec: dict[str, Any], raw: bytes | None, max_items: int) -> list[bytes]:
+def _images(spec: dict[str, Any], raw: memoryview | None, max_items: int) -> list[bytes]:
     n = _element_count(_dims(spec.get("shape")), max_items, "image")
     if raw is not None:
         return _binary_elements(raw, n)
@@ -156,7 +156,8 @@ def _images(spec: dict[str, Any], raw: bytes | None, max_items: int) -> list[byt
     return images
 
 
-def _texts(spec: dict[str, Any], raw: bytes | None, max_items: int, max_chars: int) -> list[str]:
+def _texts(spec: dict[str, Any], raw: memoryview | None, max_items: int,
+           max_chars: int) -> list[str]:  # fmt: skip
     n = _element_count(_dims(spec.get("shape")), max_items, "text")
     if raw is None:
         texts = _json_strings(spec.get("data"), n)
@@ -186,7 +187,7 @@ def _check_image_shape(datatype: str, dims: list[int], size: tuple[int, int],
     check_count(dims[0], max_items)
 
 
-def _tensor(spec: dict[str, Any], raw: bytes | None, datatype: str, size: tuple[int, int],
+def _tensor(spec: dict[str, Any], raw: memoryview | None, datatype: str, size: tuple[int, int],
             max_items: int) -> np.ndarray:  # fmt: skip
     dims = _dims(spec.get("shape"))
     _check_image_shape(datatype, dims, size, max_items)
@@ -205,8 +206,9 @@ def _tensor(spec: dict[str, Any], raw: bytes | None, datatype: str, size: tuple[
                                 f"{math.prod(dims)}")  # fmt: skip
         if dtype == "uint8" and values.size and (values.min() < 0 or values.max() > 255):
             raise InvalidTensor('"data" of a UINT8 input must be within 0..255')
-        raw = values.astype(dtype).tobytes()
-    return parse_tensor(dtype, dims, raw, size, max_items)
+        raw = memoryview(values.astype(dtype).tobytes())
+    # parse_tensor only needs len() and np.frombuffer, which take any buffer: no copy.
+    return parse_tensor(dtype, dims, raw, size, max_items)  # type: ignore[arg-type]
 
 
 def _outputs(doc: dict[str, Any]) -> list[RequestedOutput]:
@@ -238,7 +240,7 @@ def _outputs(doc: dict[str, Any]) -> list[RequestedOutput]:
     return outputs
 
 
-def _input(doc: dict[str, Any], binary: bytes) -> tuple[dict[str, Any], bytes | None]:
+def _input(doc: dict[str, Any], binary: memoryview) -> tuple[dict[str, Any], memoryview | None]:
     """The request's one input and its binary data (None if it came as JSON)."""
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
@@ -386,10 +388,12 @@ def build_infer_request(
     texts: Sequence[str] | None = None,
     binary_output: bool = True,
     output: str = DEFAULT_OUTPUT,
+    input_name: str | None = None,
 ) -> tuple[bytes, dict[str, str]]:
     """A binary inference request body and its headers, as tritonclient builds it: encoded
-    images (BYTES), a UINT8/FP16/FP32 tensor, or texts (for the `-text` model). For load
-    generators; the same body works against Triton with a model of this shape."""
+    images (BYTES), a UINT8/FP16/FP32 tensor, or texts (for the `-text` model). POST it to
+    `/v2/models/<model>/infer`. For load generators: with `input_name` and `output` set to a
+    Triton model's own names, the same body runs against Triton."""
     if tensor is not None:
         datatype = {np.dtype(v): k for k, v in NUMERIC.items()}[tensor.dtype]
         name = {"UINT8": "pixels", "FP16": "pixel_values_fp16"}.get(datatype, "pixel_values")
@@ -403,7 +407,7 @@ def build_infer_request(
     else:
         raise ValueError("give images, tensor or texts")
     header = orjson.dumps({
-        "inputs": [{"name": name, "shape": shape, "datatype": datatype,
+        "inputs": [{"name": input_name or name, "shape": shape, "datatype": datatype,
                     "parameters": {"binary_data_size": len(data)}}],
         "outputs": [{"name": output, "parameters": {"binary_data": binary_output}}],
     })  # fmt: skip

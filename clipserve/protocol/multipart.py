@@ -6,12 +6,25 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 
 from clipserve.errors import InvalidBody, TooManyItems
 
+MAX_BOUNDARY = 70  # RFC 2046 §5.1.1; python-multipart raises (outside any handler) past 256
+# A part needs Content-Disposition and perhaps Content-Type; browsers send two headers.
+MAX_PART_HEADERS = 16
+MAX_PART_HEADER_BYTES = 8192
+# python-multipart parses parameters in Python, ~2.5 µs a character; real ones are < 200.
+MAX_CONTENT_TYPE = 1024
+
 
 def boundary_of(content_type: str) -> bytes:
+    if len(content_type) > MAX_CONTENT_TYPE:
+        raise InvalidBody(f"Content-Type of {len(content_type)} characters; "
+                          f"at most {MAX_CONTENT_TYPE} are read")  # fmt: skip
     _, params = parse_options_header(content_type)
     boundary = params.get(b"boundary")
     if not boundary:
         raise InvalidBody("multipart/form-data without a boundary parameter")
+    if len(boundary) > MAX_BOUNDARY:
+        raise InvalidBody(f"multipart boundary of {len(boundary)} characters; "
+                          f"RFC 2046 allows at most {MAX_BOUNDARY}")  # fmt: skip
     return boundary
 
 
@@ -19,7 +32,7 @@ def parse_files(content_type: str, body: bytes, max_items: int) -> list[bytes]:
     """Every part is one image; parts must be files (have a filename)."""
     files: list[bytes] = []
     parts: list[list[bytes]] = []
-    headers: list[dict[bytes, bytes]] = []
+    dispositions: list[bytes] = []  # the only header read; others are skipped, not kept
     field: list[bytes] = []
 
     def on_part_begin() -> None:
@@ -27,7 +40,7 @@ def parse_files(content_type: str, body: bytes, max_items: int) -> list[bytes]:
             raise TooManyItems(f"more than {max_items} files in one request "
                                "(--max-items-per-request)")  # fmt: skip
         parts.append([])
-        headers.append({})
+        dispositions.append(b"")
 
     def on_part_data(data: bytes, start: int, end: int) -> None:
         parts[-1].append(data[start:end])
@@ -36,24 +49,26 @@ def parse_files(content_type: str, body: bytes, max_items: int) -> list[bytes]:
         field.append(data[start:end])
 
     def on_header_value(data: bytes, start: int, end: int) -> None:
-        headers[-1][b"".join(field).lower()] = data[start:end]
+        if b"".join(field).lower() == b"content-disposition":
+            dispositions[-1] = data[start:end]
         field.clear()
 
-    parser = MultipartParser(boundary_of(content_type), {
-        "on_part_begin": on_part_begin, "on_part_data": on_part_data,
-        "on_header_field": on_header_field, "on_header_value": on_header_value,
-    })  # fmt: skip
+    boundary = boundary_of(content_type)
     try:
+        parser = MultipartParser(boundary, {
+            "on_part_begin": on_part_begin, "on_part_data": on_part_data,
+            "on_header_field": on_header_field, "on_header_value": on_header_value,
+        }, max_header_count=MAX_PART_HEADERS, max_header_size=MAX_PART_HEADER_BYTES)  # fmt: skip
         parser.write(body)
         parser.finalize()
     except (TooManyItems, InvalidBody):
         raise
     except Exception as e:  # python-multipart raises its own parse errors
         raise InvalidBody(f"malformed multipart body ({e})") from None
-    for index, (chunks, part_headers) in enumerate(zip(parts, headers, strict=True)):
-        _, options = parse_options_header(part_headers.get(b"content-disposition", b""))
+    for index, (chunks, disposition) in enumerate(zip(parts, dispositions, strict=True)):
+        _, options = parse_options_header(disposition)
         if b"filename" not in options:
-            name = options.get(b"name", b"?").decode("latin-1")
+            name = options.get(b"name", b"?").decode("latin-1")[:100]
             raise InvalidBody(
                 f"part {index} ({name!r}) is not a file; send images with -F name=@file"
             )

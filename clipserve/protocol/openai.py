@@ -31,7 +31,7 @@ from clipserve.errors import (
 ENCODING_FORMATS = ("float", "base64")
 # Base64 of the first bytes of each format the decoder reads: JPEG FF D8 FF, PNG 89 50 4E 47 0D 0A
 # 1A 0A, WebP "RIFF". A text that starts like this and is valid base64 is not a caption.
-IMAGE_B64_PREFIXES = ("/9j/", "iVBORw0KGgo", "UklGR")
+IMAGE_B64_PREFIXES = ("/9j/", "iVBORw0KGg", "UklGR")
 
 
 FIELDS = ("input", "model", "encoding_format", "dimensions", "user")

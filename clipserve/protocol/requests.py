@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,7 @@ import msgpack
 import numpy as np
 import orjson
 
-from clipserve.errors import InvalidBody, UnsupportedMediaType
+from clipserve.errors import ClipserveError, InvalidBody, TooManyItems, UnsupportedMediaType
 from clipserve.protocol.media import media_type
 from clipserve.protocol.multipart import parse_files
 from clipserve.protocol.tensors import check_count, parse_shape, parse_tensor
@@ -55,16 +56,76 @@ def _count(n: int, max_items: int) -> None:
         raise InvalidBody("the request holds no images")
 
 
-def unpack_msgpack(body: bytes) -> Any:
+# Besides its items, a well-formed body holds a few values: keys, the tensor's dtype and shape.
+ENVELOPE_VALUES = 32
+# A token is a string or one of , : [ { outside strings; run of anything else first, possessive
+# so a long run never backtracks.
+_JSON_TOKEN = re.compile(rb'[^,:\[{"]*+(?:"[^"]*"|[,:\[{])')
+
+
+def value_budget(max_items: int) -> int:
+    """Most values (keys, items, scalars) a body may hold before it is parsed into objects:
+    each costs 30-70 bytes as a Python object and as little as one byte on the wire."""
+    return max_items + ENVELOPE_VALUES
+
+
+def _too_many_values(kind: str, max_items: int, error: type[ClipserveError]) -> ClipserveError:
+    return error(f"{kind} body holds more than {value_budget(max_items)} values; a request "
+                 f"holds at most {max_items} items (--max-items-per-request)")  # fmt: skip
+
+
+class _OverBudget(Exception):
+    pass
+
+
+def unpack_msgpack(body: bytes, max_items: int, error: type[ClipserveError] = TooManyItems) -> Any:
+    """Unpack, refusing more than `value_budget(max_items)` values as they are built (msgpack
+    otherwise turns a 32 MiB body of empty arrays into 32 M lists: gigabytes)."""
+    budget = value_budget(max_items)
+    built = 0
+
+    def counted(container: Any, per_entry: int) -> Any:
+        nonlocal built
+        built += len(container) * per_entry + 1
+        if built > budget:
+            raise _OverBudget
+        return container
+
     try:
         # No ext_hook: extension types stay opaque ExtType values, never objects.
-        return msgpack.unpackb(body, raw=False, strict_map_key=True)
+        return msgpack.unpackb(
+            body, raw=False, strict_map_key=True, max_array_len=budget, max_map_len=budget,
+            list_hook=lambda c: counted(c, 1), object_hook=lambda c: counted(c, 2),
+        )  # fmt: skip
+    except _OverBudget:
+        raise _too_many_values("msgpack", max_items, error) from None
+    except ValueError as e:
+        if "exceeds max_" in str(e):  # a declared array or map length over the budget
+            raise _too_many_values("msgpack", max_items, error) from None
+        raise InvalidBody(f"malformed msgpack body (ValueError: {e})") from None
     except Exception as e:
         raise InvalidBody(f"malformed msgpack body ({type(e).__name__}: {e})") from None
 
 
+def loads_json(body: bytes, max_items: int, error: type[ClipserveError] = TooManyItems) -> Any:
+    """orjson.loads, after counting tokens up to the value budget without building anything
+    (orjson turns a 32 MiB body of [] into 10 M lists). Stops at the budget or the first thing
+    that is not a token, so the count costs O(budget) matches, whatever the body."""
+    plain = body.replace(b"\\\\", b"").replace(b'\\"', b"") if b"\\" in body else body
+    pos = tokens = 0
+    while (token := _JSON_TOKEN.match(plain, pos)) is not None:
+        tokens += 1
+        if tokens > 2 * value_budget(max_items):  # an item is a string and a comma
+            raise _too_many_values("JSON", max_items, error)
+        pos = token.end()
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise InvalidBody(f"malformed JSON body ({e})") from None
+
+
 def _from_msgpack(body: bytes, size: tuple[int, int], max_items: int) -> Payload:
-    doc = unpack_msgpack(body)
+    doc = unpack_msgpack(body, max_items)
     if not isinstance(doc, dict) or len({"images", "tensor"} & doc.keys()) != 1:
         raise InvalidBody('msgpack body must be a map with "images" or "tensor"')
     if "images" in doc:
@@ -96,10 +157,7 @@ def _from_raw(headers: Mapping[str, str], body: bytes, size: tuple[int, int],
 
 
 def _from_json(body: bytes, max_items: int) -> Payload:
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise InvalidBody(f"malformed JSON body ({e})") from None
+    doc = loads_json(body, max_items)
     if not isinstance(doc, dict) or not isinstance(doc.get("images"), list):
         raise InvalidBody('JSON body must be {"images": ["<base64>", ...]}')
     _count(len(doc["images"]), max_items)

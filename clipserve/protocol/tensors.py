@@ -15,6 +15,8 @@ from clipserve.errors import InvalidTensor, TooManyItems
 
 DTYPES = {"uint8": np.uint8, "float16": np.float16, "float32": np.float32}
 MAX_DIM = 1 << 20  # far above any real dimension; stops absurd shapes before arithmetic
+FLOAT16_MAX = 65504.0
+MAX_SHAPE_HEADER = 64  # four dimensions of up to 7 digits each, with room for spaces
 
 
 def check_count(n: int, max_items: int) -> None:
@@ -25,6 +27,9 @@ def check_count(n: int, max_items: int) -> None:
 
 def parse_shape(raw: str) -> list[int]:
     """'2,224,224,3' (a header) → [2, 224, 224, 3]."""
+    if len(raw) > MAX_SHAPE_HEADER:
+        raise InvalidTensor(f"shape header of {len(raw)} characters; a rank-4 shape needs "
+                            f"at most {MAX_SHAPE_HEADER}")  # fmt: skip
     try:
         return [int(part) for part in raw.replace(" ", "").strip("[]()").split(",") if part]
     except ValueError:
@@ -64,6 +69,19 @@ def parse_tensor(
     if len(data) != expected:
         raise InvalidTensor(f"shape {dims} of {dtype} needs {expected} bytes; got {len(data)}")
     array = np.frombuffer(data, dtype=DTYPES[dtype]).reshape(dims)
-    if dtype != "uint8" and not np.isfinite(array).all():
-        raise InvalidTensor("the tensor holds NaN or infinite values")
+    if dtype != "uint8":
+        check_range(array)
     return array
+
+
+def check_range(array: np.ndarray) -> None:
+    """Finite and within float16's range. Normalised pixels lie within about ±3; beyond
+    ±65504 an fp16 backend overflows and float32 ones (3e38) give infinite embeddings."""
+    lo, hi = float(array.min()), float(array.max())  # NaN propagates; no temporary array
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise InvalidTensor("the tensor holds NaN or infinite values")
+    if lo < -FLOAT16_MAX or hi > FLOAT16_MAX:
+        raise InvalidTensor(
+            f"the tensor holds a value of magnitude {max(-lo, hi):.4g}; inputs must lie within "
+            f"float16's range (|x| <= {FLOAT16_MAX:g}); normalised images lie within about ±3"
+        )

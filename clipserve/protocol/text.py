@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import orjson
-
 from clipserve.errors import InvalidBody, InvalidText, TextTooLong, TooManyTexts
 from clipserve.protocol.media import JSON, media_type
-from clipserve.protocol.requests import MSGPACK_TYPES, check_media_type, unpack_msgpack
+from clipserve.protocol.requests import MSGPACK_TYPES, check_media_type, loads_json, unpack_msgpack
 
 TEXT_TYPES = (JSON, *MSGPACK_TYPES)
 
@@ -15,12 +13,9 @@ def parse_texts(content_type: str, body: bytes, max_texts: int, max_chars: int) 
     media = media_type(content_type)
     check_media_type(media, TEXT_TYPES)
     if media == JSON:
-        try:
-            doc = orjson.loads(body)
-        except orjson.JSONDecodeError as e:
-            raise InvalidBody(f"malformed JSON body ({e})") from None
+        doc = loads_json(body, max_texts, TooManyTexts)
     else:
-        doc = unpack_msgpack(body)
+        doc = unpack_msgpack(body, max_texts, TooManyTexts)
     if not isinstance(doc, dict) or not isinstance(doc.get("texts"), list):
         raise InvalidBody('the body must be {"texts": ["...", ...]}')
     texts: list[str] = doc["texts"]

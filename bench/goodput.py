@@ -1,0 +1,357 @@
+"""Goodput under overload: images answered 200 within their deadline, per second of capacity.
+
+The fake executor sleeps a fixed time per image (per_item_ms) and then computes its features
+with numpy (a few ms per image more on a busy machine). Capacity is its rate at full batches,
+timed by calling it directly before each level; the rate of the sleep alone (1000 / per_item_ms)
+is reported too. Open-loop Poisson arrivals offer 2x, 4x and 8x capacity, for JPEG (one image
+per request) and raw uint8 tensors (4 per request), with --request-timeout-s 2 (admission bound
+by the deadline) and 30 (bound by --max-queue-size). Per level it reports:
+  goodput        images answered 200 within the timeout per second, over capacity, counted in
+                 a window that skips the first seconds (the queue filling up)
+  hung           requests with no answer 10 s after the server's timeout (must be 0)
+  503 p99        latency of refusals, from each request's scheduled start (target < 50 ms)
+  computed       images the executor ran (clipserve_items_total) against images answered 200
+The server runs in a subprocess on this machine, as clients do; client and server share it.
+
+    python -m bench.goodput --out bench/results/goodput.json   # the full run, ~6 minutes
+    python -m bench.goodput --quick                            # 2x and 8x, 2 s timeout
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from bench.common import machine, utc_now
+from bench.images import jpeg
+from clipserve.backends.fake import FakeExecutor
+from clipserve.preprocess import PreprocessSpec
+
+# A tiny open_clip config: the fake executor ignores the weights; the server needs the
+# preprocessing and the text tower it builds for every model.
+TINY_MODEL = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 224, "layers": 2, "width": 64, "head_width": 32, "patch_size": 32},
+    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2},
+}
+TENSOR_IMAGES = 4  # images per raw-tensor request
+
+
+@dataclass
+class Payload:
+    name: str
+    body: bytes
+    headers: dict[str, str]
+    images: int
+
+
+def payloads() -> dict[str, Payload]:
+    pixels = np.random.default_rng(0).integers(0, 256, (TENSOR_IMAGES, 224, 224, 3), np.uint8)
+    shape = ",".join(map(str, pixels.shape))
+    return {
+        "jpeg": Payload("jpeg", jpeg(320, 240), {"Content-Type": "image/jpeg"}, 1),
+        "raw-uint8-tensor": Payload(
+            "raw-uint8-tensor",
+            pixels.tobytes(),
+            {
+                "Content-Type": "application/octet-stream",
+                "X-Tensor-Dtype": "uint8",
+                "X-Tensor-Shape": shape,
+            },
+            TENSOR_IMAGES,
+        ),
+    }
+
+
+@dataclass
+class Answer:
+    scheduled: float  # perf_counter when the request was due
+    sent: float  # when the client got to send it (later, if the client lagged)
+    done: float
+    status: str  # HTTP status, or the client error's name (a hung or broken request)
+    retry_after: int | None = None
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    url: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start_server(model: Path, port: int, per_item_ms: float, max_batch_size: int,
+                 timeout_s: float, max_queue_size: int) -> Server:  # fmt: skip
+    args = [
+        sys.executable, "-m", "clipserve", "--backend", "fake", "--pretrained", "none",
+        "--model", str(model), "--backend-option", f"per_item_ms={per_item_ms}",
+        "--max-batch-size", str(max_batch_size), "--max-queue-size", str(max_queue_size),
+        "--request-timeout-s", str(timeout_s), "--port", str(port), "--log-level", "warning",
+    ]  # fmt: skip
+    proc = subprocess.Popen(args)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit("server exited during startup")
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return Server(proc, url)
+        except OSError:
+            time.sleep(0.25)
+    proc.kill()
+    raise SystemExit("server did not become ready")
+
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        name: float(value)
+        for name, value in re.findall(r"^(clipserve_[^ ]+) ([0-9.e+-]+)$", text, re.M)
+    }
+
+
+async def send(session: aiohttp.ClientSession, url: str, p: Payload, scheduled: float) -> Answer:
+    sent = time.perf_counter()
+    retry_after = None
+    try:
+        async with session.post(url + "/embed", data=p.body, headers=p.headers) as r:
+            await r.read()
+            status = str(r.status)
+            if "Retry-After" in r.headers:
+                retry_after = int(r.headers["Retry-After"])
+    except (aiohttp.ClientError, TimeoutError) as e:
+        status = type(e).__name__
+    return Answer(scheduled, sent, time.perf_counter(), status, retry_after)
+
+
+async def open_loop(url: str, p: Payload, rate: float, duration_s: float,
+                    client_timeout_s: float, seed: int) -> tuple[list[Answer], float]:  # fmt: skip
+    """Poisson arrivals at `rate` requests/s for duration_s; every answer awaited."""
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=client_timeout_s)
+    rng = random.Random(seed)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        start = time.perf_counter()
+        scheduled, end = start, start + duration_s
+        tasks = []
+        while scheduled < end:
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(send(session, url, p, scheduled)))
+            scheduled += rng.expovariate(rate)
+        answers = await asyncio.gather(*tasks)
+    return answers, start
+
+
+def executor_capacity(per_item_ms: float, batch: int, repeat: int = 3) -> float:
+    """Images/s of the fake executor itself at full batches, called directly here."""
+    spec = PreprocessSpec((224, 224), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    fake = FakeExecutor(spec, 32, per_item_ms=per_item_ms)
+    images = np.random.default_rng(0).integers(0, 256, (batch, 224, 224, 3), np.uint8)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fake.run(images)
+        times.append(time.perf_counter() - t0)
+    return batch / float(np.median(times))
+
+
+def pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)) * 1000, 1) if values else None
+
+
+def measure(
+    server: Server,
+    p: Payload,
+    level: float,
+    capacity: float,
+    nominal: float,
+    timeout_s: float,
+    duration_s: float,
+    skip_s: float,
+    seed: int,
+) -> dict[str, Any]:
+    rate = level * capacity / p.images
+    before = scrape(server.url)
+    answers, start = asyncio.run(
+        open_loop(server.url, p, rate, duration_s, timeout_s + 10, seed)
+    )  # fmt: skip
+    time.sleep(0.5)  # let the last answers be counted
+    after = scrape(server.url)
+
+    def delta(name: str) -> float:
+        """The change of a metric, summed over its labels."""
+
+        def total(m: dict[str, float]) -> float:
+            return sum(v for k, v in m.items() if k == name or k.startswith(name + "{"))
+
+        return total(after) - total(before)
+
+    # The server's deadline runs from when the request reaches it: a 200 counts if it came
+    # within the timeout of being sent. Latencies below are from the scheduled start, which
+    # also charges the time this (shared, 2-core) client lagged behind its schedule.
+    ok = [a for a in answers if a.status == "200" and a.done - a.sent <= timeout_s]
+    late = sum(1 for a in answers if a.status == "200" and a.done - a.scheduled > timeout_s)
+    window = (start + skip_s, start + duration_s)
+    in_window = sum(p.images for a in ok if window[0] <= a.done < window[1])
+    goodput = in_window / (window[1] - window[0])
+    refused = [a for a in answers if a.status == "503"]
+    statuses: dict[str, int] = {}
+    for a in answers:
+        statuses[a.status] = statuses.get(a.status, 0) + 1
+    answered = len(ok) * p.images
+    computed = delta("clipserve_items_total")
+    retry_after = [a.retry_after for a in refused if a.retry_after is not None]
+    return {
+        "protocol": p.name,
+        "images_per_request": p.images,
+        "request_timeout_s": timeout_s,
+        "overload": level,
+        "offered_images_per_s": round(rate * p.images, 1),
+        "requests": len(answers),
+        "statuses": statuses,
+        "goodput_images_per_s": round(goodput, 2),
+        "capacity_images_per_s": round(capacity, 2),
+        "goodput_over_capacity": round(goodput / capacity, 3),
+        "goodput_over_sleep_only_capacity": round(goodput / nominal, 3),
+        "hung": sum(1 for a in answers if not a.status.isdigit()),
+        "ok_but_late_from_schedule": late,
+        "client_lag_ms_p99": pct([a.sent - a.scheduled for a in answers], 99),
+        "latency_503_ms": {
+            "p50": pct([a.done - a.scheduled for a in refused], 50),
+            "p99": pct([a.done - a.scheduled for a in refused], 99),
+            "p99_from_send": pct([a.done - a.sent for a in refused], 99),
+        },
+        "latency_200_ms": {
+            "p50": pct([a.done - a.scheduled for a in ok], 50),
+            "p99": pct([a.done - a.scheduled for a in ok], 99),
+        },
+        "retry_after_s": [min(retry_after), max(retry_after)] if retry_after else None,
+        "images_computed": int(computed),
+        "images_answered_200": answered,
+        "computed_over_answered": round(computed / answered, 3) if answered else None,
+        "expired_in_queue": int(delta('clipserve_expired_items_total{kind="image"}')),
+        "device_busy_fraction": round(
+            delta("clipserve_batch_duration_seconds_sum") / (time.perf_counter() - start),
+            3,
+        ),
+        "mean_batch_ms": round(
+            1000
+            * delta("clipserve_batch_duration_seconds_sum")
+            / max(delta("clipserve_batch_duration_seconds_count"), 1),
+            1,
+        ),
+        "mean_batch_size": round(
+            delta("clipserve_batch_size_sum") / max(delta("clipserve_batch_size_count"), 1), 2
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2x and 8x, 2 s timeout, 6 s each")
+    parser.add_argument("--levels", default="2,4,8")
+    parser.add_argument("--timeouts", default="2,30")
+    parser.add_argument("--protocols", default="jpeg,raw-uint8-tensor")
+    parser.add_argument("--per-item-ms", type=float, default=40.0)
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--max-queue-size", type=int, default=256)
+    parser.add_argument("--duration", type=float, default=15.0, help="seconds of load per level")
+    parser.add_argument("--skip", type=float, default=3.0, help="seconds not counted at first")
+    parser.add_argument("--port", type=int, default=8767)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.quick:
+        args.levels, args.timeouts, args.duration, args.skip = "2,8", "2", 6.0, 2.0
+    nominal = 1000 / args.per_item_ms
+    all_payloads = payloads()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "tiny-clip.json"
+        model.write_text(json.dumps(TINY_MODEL))
+        for timeout_s in (float(t) for t in args.timeouts.split(",")):
+            server = start_server(model, args.port, args.per_item_ms, args.max_batch_size,
+                                  timeout_s, args.max_queue_size)  # fmt: skip
+            try:
+                # two seconds at half capacity: the batcher measures its batch costs
+                asyncio.run(open_loop(server.url, all_payloads["jpeg"], nominal / 2, 2.0,
+                                      timeout_s + 10, seed=0))  # fmt: skip
+                for name in args.protocols.split(","):
+                    for level in (float(x) for x in args.levels.split(",")):
+                        capacity = executor_capacity(args.per_item_ms, args.max_batch_size)
+                        row = measure(
+                            server,
+                            all_payloads[name],
+                            level,
+                            capacity,
+                            nominal,
+                            timeout_s,
+                            args.duration,
+                            args.skip,
+                            seed=len(rows),
+                        )
+                        rows.append(row)
+                        print(json.dumps({k: row[k] for k in (
+                            "protocol", "request_timeout_s", "overload", "goodput_over_capacity",
+                            "hung", "latency_503_ms", "computed_over_answered", "statuses")}),
+                            flush=True)  # fmt: skip
+            finally:
+                server.stop()
+    result = {
+        "benchmark": "goodput under overload",
+        "date": utc_now(),
+        "machine": machine(),
+        "note": "client and server share this machine's cores",
+        "server": {
+            "backend": f"fake, per_item_ms={args.per_item_ms}, one worker",
+            "max_batch_size": args.max_batch_size,
+            "max_queue_size": args.max_queue_size,
+        },
+        "sleep_only_capacity_images_per_s": nominal,
+        "duration_s": args.duration,
+        "window_skips_first_s": args.skip,
+        "rows": rows,
+        "worst": {
+            "goodput_over_capacity": min(r["goodput_over_capacity"] for r in rows),
+            "hung": sum(r["hung"] for r in rows),
+            "latency_503_p99_ms": max((r["latency_503_ms"]["p99"] or 0) for r in rows),
+        },
+    }
+    text = json.dumps(result, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(json.dumps(result["worst"]))
+
+
+if __name__ == "__main__":
+    try:
+        import uvloop  # the client's own overhead, on a machine it shares with the server
+
+        uvloop.install()
+    except ImportError:
+        pass
+    main()
