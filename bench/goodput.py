@@ -101,14 +101,14 @@ class Server:
 
 
 def start_server(model: Path, port: int, per_item_ms: float, max_batch_size: int,
-                 timeout_s: float, max_queue_size: int) -> Server:  # fmt: skip
+                 timeout_s: float, max_queue_size: int, tree: Path | None) -> Server:  # fmt: skip
     args = [
         sys.executable, "-m", "clipserve", "--backend", "fake", "--pretrained", "none",
         "--model", str(model), "--backend-option", f"per_item_ms={per_item_ms}",
         "--max-batch-size", str(max_batch_size), "--max-queue-size", str(max_queue_size),
         "--request-timeout-s", str(timeout_s), "--port", str(port), "--log-level", "warning",
     ]  # fmt: skip
-    proc = subprocess.Popen(args)
+    proc = subprocess.Popen(args, cwd=tree)  # another source tree: `-m` imports from the cwd
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -284,6 +284,9 @@ def main() -> None:
     parser.add_argument("--skip", type=float, default=3.0, help="seconds not counted at first")
     parser.add_argument("--port", type=int, default=8767)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--server-tree", type=Path, help="serve from this source tree (before/after)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.levels, args.timeouts, args.duration, args.skip = "2,8", "2", 6.0, 2.0
@@ -295,7 +298,7 @@ def main() -> None:
         model.write_text(json.dumps(TINY_MODEL))
         for timeout_s in (float(t) for t in args.timeouts.split(",")):
             server = start_server(model, args.port, args.per_item_ms, args.max_batch_size,
-                                  timeout_s, args.max_queue_size)  # fmt: skip
+                                  timeout_s, args.max_queue_size, args.server_tree)  # fmt: skip
             try:
                 # two seconds at half capacity: the batcher measures its batch costs
                 asyncio.run(open_loop(server.url, all_payloads["jpeg"], nominal / 2, 2.0,

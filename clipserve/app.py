@@ -210,11 +210,15 @@ def create_app(
         # The text tower has its own queue and workers, on the same device threads.
         text_batcher = Batcher(rt.text_executors, config.batching, metrics, rt.threads, "text")
         metrics.add_scrape_time_gauges(
-            batcher.depth,
+            lambda: {"image": batcher.depth(), "text": text_batcher.depth()},
             lambda: {
                 ex.info.device: used for ex in rt.executors if (used := ex.memory()) is not None
             },
-            lambda: {w.device: w.alive for w in batcher.workers},
+            lambda: {
+                **{w.device: w.alive for w in batcher.workers},
+                **{f"text:{w.device}": w.alive for w in text_batcher.workers},
+            },
+            lambda: batcher.estimated_wait_s(1),
         )
         batcher.start()
         text_batcher.start()

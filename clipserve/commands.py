@@ -52,6 +52,7 @@ def summarise_profile(events: Iterable[Mapping[str, Any]]) -> tuple[dict[str, fl
 
 def profile_main(config: ServerConfig, batches: int, batch_size: int) -> int:
     """Run ORT's profiler over a few batches; print op-type time shares and CPU fallbacks."""
+    from clipserve.backends.device import select_device
     from clipserve.backends.ort import create_ort
     from clipserve.backends.registry import resolve_devices
     from clipserve.errors import StartupError
@@ -60,8 +61,9 @@ def profile_main(config: ServerConfig, batches: int, batch_size: int) -> int:
     backend = config.backend.backend
     if backend not in ("ort-cpu", "ort-cuda", "ort-trt"):
         raise StartupError("clipserve profile: --backend must be ort-cpu, ort-cuda or ort-trt")
-    model = load_model(config.model)
     device = resolve_devices(config.backend.gpus, backend)[0]
+    select_device(device)  # before any CUDA call: --gpus 1 must not touch GPU 0
+    model = load_model(config.model)
     executor = create_ort(backend, model, config, device, profiling=True)
     h, w = model.preprocess.size
     rng = np.random.default_rng(0)

@@ -174,9 +174,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 HttpToolsProtocol.data_received(self, data)
             elif not self._feed_within_cap(data):
                 return
-            if self._linger_bytes >= 0:
-                return
-            if self._header_bytes and self._header_timer is None:
+            if self._header_bytes and self._header_timer is None and self._linger_bytes < 0:
                 # Headers of a later request on a kept-alive connection started arriving.
                 self._header_timer = self.loop.call_later(
                     self.limits.header_timeout_s, self._header_timeout

@@ -20,17 +20,28 @@ class _ScrapeTimeGauges(Collector):
 
     def __init__(
         self,
-        queue_depth: Callable[[], int],
+        queue_depth: Callable[[], Mapping[str, int]],
         device_memory: Callable[[], Mapping[str, int]],
         workers_alive: Callable[[], Mapping[str, bool]],
+        estimated_wait: Callable[[], float],
     ) -> None:
         self.queue_depth = queue_depth
         self.device_memory = device_memory
         self.workers_alive = workers_alive
+        self.estimated_wait = estimated_wait
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        depth = self.queue_depth()
         yield GaugeMetricFamily(
-            "clipserve_queue_depth", "Images queued, not yet computing", value=self.queue_depth()
+            "clipserve_queue_depth", "Images queued, not yet computing", value=depth["image"]
+        )
+        yield GaugeMetricFamily(
+            "clipserve_text_queue_depth", "Texts queued, not yet computing", value=depth["text"]
+        )
+        yield GaugeMetricFamily(
+            "clipserve_estimated_wait_seconds",
+            "Estimated time for one more image to be answered, from measured batch times",
+            value=self.estimated_wait(),
         )
         memory = GaugeMetricFamily(
             "clipserve_device_memory_bytes", "Device memory held by the executor", labels=["device"]
@@ -39,7 +50,9 @@ class _ScrapeTimeGauges(Collector):
             memory.add_metric([device], used)
         yield memory
         alive = GaugeMetricFamily(
-            "clipserve_worker_alive", "1 while the device worker serves", labels=["device"]
+            "clipserve_worker_alive",
+            "1 while the device worker serves (text tower: text:<device>)",
+            labels=["device"],
         )
         for device, ok in self.workers_alive().items():
             alive.add_metric([device], 1.0 if ok else 0.0)
@@ -107,11 +120,15 @@ class Metrics:
 
     def add_scrape_time_gauges(
         self,
-        queue_depth: Callable[[], int],
+        queue_depth: Callable[[], Mapping[str, int]],
         device_memory: Callable[[], Mapping[str, int]],
         workers_alive: Callable[[], Mapping[str, bool]],
+        estimated_wait: Callable[[], float],
     ) -> None:
-        self.registry.register(_ScrapeTimeGauges(queue_depth, device_memory, workers_alive))
+        """`queue_depth` maps each tower (image, text) to what it has queued."""
+        self.registry.register(
+            _ScrapeTimeGauges(queue_depth, device_memory, workers_alive, estimated_wait)
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -113,6 +113,8 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        elif not task.cancelled():
+            task.exception()  # retrieved, even when our own cancellation wins the race
     if task.cancelled():
         raise ClientGone()
     return task.result()

@@ -124,6 +124,8 @@ async def info(request: Request) -> Response:
             "limits": {
                 "max_body_bytes": state.config.limits.max_body_bytes,
                 "max_image_pixels": state.config.limits.max_image_pixels,
+                "max_image_aspect": state.config.limits.max_image_aspect,
+                "max_decode_bytes": state.config.limits.max_decode_bytes,
                 "max_items_per_request": state.config.limits.max_items_per_request,
                 "max_body_bytes_in_flight": state.config.limits.max_body_bytes_in_flight,
                 "request_timeout_s": state.config.limits.request_timeout_s,

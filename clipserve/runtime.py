@@ -15,10 +15,12 @@ is logged and skipped.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures.thread import BrokenThreadPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,6 +33,7 @@ from clipserve.model import LoadedModel, load_model
 from clipserve.preprocess import ImageDecoder
 
 log = logging.getLogger(__name__)
+TOKENIZER_CACHE_ENTRIES = 50_000
 
 
 @dataclass
@@ -41,10 +44,22 @@ class Runtime:
     text_executors: list[Executor]  # one per device, on the same thread as executors[i]
     threads: list[ThreadPoolExecutor]  # threads[i] is the only thread that runs device i
     decoder: ImageDecoder
+    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def tokenize(self, texts: list[str]) -> np.ndarray:
         """CPU work: run it in the decode pool."""
-        return self.model.tokenizer(texts).numpy().astype(np.int64, copy=False)  # type: ignore[no-any-return]
+        # open_clip's BPE cache keeps every distinct word it has seen (~6 KB each): a stream of
+        # random words would grow it without bound, so it starts over past a fixed size.
+        # The lock costs no parallelism (the tokenizer is pure Python, holding the GIL) and
+        # keeps a clear from racing another thread's cache lookup.
+        with self._tokenizer_lock:
+            cache = getattr(self.model.tokenizer, "cache", None)
+            if isinstance(cache, dict) and len(cache) > TOKENIZER_CACHE_ENTRIES:
+                specials = {k: v for k, v in cache.items() if k == v}  # <start_of_text>, ...
+                cache.clear()
+                cache.update(specials)
+            tokens = self.model.tokenizer(texts)
+        return tokens.numpy().astype(np.int64, copy=False)  # type: ignore[no-any-return]
 
     @property
     def on_cpu(self) -> bool:
@@ -98,6 +113,19 @@ def _close_built(executors: list[Executor], threads: list[ThreadPoolExecutor]) -
         thread.submit(executor.close).result()
 
 
+def _close_quietly(executors: list[Executor], threads: Sequence[ThreadPoolExecutor | None]) -> None:
+    """Close what a failed build left; a device that failed may fail to close as well, and the
+    error that matters is the build's."""
+    for executor, thread in zip(executors, threads, strict=False):
+        try:
+            if thread is None:  # already on the device thread
+                executor.close()
+            else:
+                thread.submit(executor.close).result()
+        except Exception:
+            log.debug("closing %s after a failed build failed too", executor.info, exc_info=True)
+
+
 def _build_executor(
     backend: str, model: LoadedModel, config: ServerConfig, device: str
 ) -> Executor:
@@ -107,7 +135,7 @@ def _build_executor(
         t0 = time.perf_counter()
         executor.warmup(sizes)
     except BaseException:
-        executor.close()
+        _close_quietly([executor], [None])
         raise
     log.info(
         "warmed up %s on %s (%s) over batch sizes %s in %.1f s",
@@ -132,7 +160,7 @@ def _build_image_executors(
                     thread.submit(_build_executor, backend, model, config, device).result()
                 )
         except Exception as e:
-            _close_built(executors, threads)
+            _close_quietly(executors, threads)
             if requested != "auto":
                 raise
             reason = str(e) if isinstance(e, StartupError) else f"{type(e).__name__}: {e}"
@@ -172,5 +200,5 @@ def build_runtime(config: ServerConfig) -> Runtime:
     except BaseException:
         _close(executors, text_executors, threads, wait=False)
         raise
-    decoder = ImageDecoder(model.preprocess, config.limits.max_image_pixels)
+    decoder = ImageDecoder.from_limits(model.preprocess, config.limits)
     return Runtime(model, backend, executors, text_executors, threads, decoder)

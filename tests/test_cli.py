@@ -68,6 +68,11 @@ def test_repeatable_option_from_flag_and_env() -> None:
         ({"precision": "int4"}, "--precision"),
         ({"backend_option": ["novalue"]}, "--backend-option"),
         ({"max_items_per_request": "1000"}, "--max-items-per-request"),
+        ({"max_connections": "0"}, "--max-connections"),
+        ({"max_header_bytes": "100"}, "--max-header-bytes"),
+        ({"header_timeout_s": "0"}, "--header-timeout-s"),
+        ({"keep_alive_timeout_s": "0"}, "--keep-alive-timeout-s"),
+        ({"linger_timeout_s": "-1"}, "--linger-timeout-s"),
     ],
 )
 def test_invalid_values_name_the_flag(flags: dict[str, object], named: str) -> None:

@@ -193,3 +193,27 @@ def test_drain_timeout_answers_503_json_with_one_log_line_each(
     text = log_path.read_text()
     assert "Traceback" not in text
     assert text.count("cancelled: drain timeout expired") == len(cut)
+
+
+def _word(n: int) -> str:
+    """A distinct all-letter word per n (digits would be split off as their own tokens)."""
+    return "z" + "".join(chr(97 + (n // 26**k) % 26) for k in range(3))
+
+
+def test_tokenizer_cache_stays_bounded(serve: Serve) -> None:
+    from clipserve import runtime
+
+    server = serve(backend="fake")
+    tokenizer = server.state.runtime.model.tokenizer
+    specials = {k for k, v in tokenizer.cache.items() if k == v}
+    limit, runtime.TOKENIZER_CACHE_ENTRIES = runtime.TOKENIZER_CACHE_ENTRIES, 50
+    try:
+        for batch in range(4):  # 4 x 30 distinct words, far past the lowered limit
+            texts = [_word(batch * 30 + i) for i in range(30)]
+            r = httpx.post(server.url + "/embed/text", json={"texts": texts})
+            assert r.status_code == 200
+        assert len(tokenizer.cache) <= 50 + 30 + len(specials)
+        assert any(k == _word(119) for k in tokenizer.cache)  # the newest words are cached
+        assert specials <= tokenizer.cache.keys()  # the special tokens survive a reset
+    finally:
+        runtime.TOKENIZER_CACHE_ENTRIES = limit

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,7 +20,7 @@ from clipserve.bench.images import SourceImage, synthetic_image
 from clipserve.bench.loadgen import LoadSpec, run_async, run_load
 from clipserve.bench.payloads import ModelInput, Request, build_requests
 from clipserve.bench.runner import run_point
-from clipserve.bench.server import parse_metrics
+from clipserve.bench.server import fetch_info, parse_metrics
 from clipserve.bench.stats import Latencies
 from tests.conftest import RunningServer, free_port, png_bytes, random_pixels
 
@@ -80,7 +82,8 @@ def test_counts_and_percentiles_match_the_server(serve: Serve) -> None:
 
 def test_every_payload_kind_is_served(serve: Serve) -> None:
     server = serve(backend="fake", max_items_per_request=8)
-    info = {"input_size": [224, 224], "model_name": "tiny"}
+    info = run_async(fetch_info(server.url))
+    assert info is not None and info["model_name"] == "tiny-clip"
     sources = [SourceImage(synthetic_image(320, 240, seed)) for seed in range(6)]
     from clipserve.bench.payloads import KINDS
 
@@ -157,7 +160,10 @@ def test_open_loop_shows_a_stall_that_closed_loop_hides() -> None:
     get = [Request("/", b"", {}, 1, method="GET")]
     with asgi_server(app) as url:
         app.stall(after=1.0, length=1.0)
-        opened = run_async(run_load(url, get, LoadSpec(rate=100, duration_s=3, seed=1)))
+        # Four connections: during the stall later requests wait for one inside the client,
+        # and that wait is charged too (latency counts from the intended send time).
+        spec = LoadSpec(rate=100, duration_s=3, connections=4, seed=1)
+        opened = run_async(run_load(url, get, spec))
         app.stall(after=1.0, length=1.0)
         closed = run_async(run_load(url, get, LoadSpec(concurrency=1, duration_s=3)))
     # ~100 of ~300 open-loop requests were due during the stall, waiting 0-1000 ms.
@@ -207,3 +213,30 @@ def test_client_processes_merge(serve: Serve) -> None:
     after = _metrics(server.url)
     assert result.ok == 41 == _served(before, after, "/embed", "200")
     assert len(result.client_cpu) == 2 and result.latency_ms["p50"] > 0
+
+
+def test_cli_sweeps_and_writes_table_json_csv_and_plot(
+    serve: Serve, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from clipserve.bench.cli import main
+
+    server = serve(backend="fake")
+    out = tmp_path / "r"
+    argv = ["--url", server.url, "-c", "1,3", "-n", "12", "--warmup", "0", "--payload",
+            "msgpack-images", "-b", "2", "--image-size", "64x48", "--usd-per-hour", "2.5",
+            "--json", f"{out}.json", "--csv", f"{out}.csv", "--plot", f"{out}.png"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert "msgpack-images x 2" in printed.out and "$/M img" in printed.out
+    assert "c=1" in printed.err  # the live progress line
+    doc = json.loads(Path(f"{out}.json").read_text())
+    first, second = doc["results"]
+    assert [first["load"], second["load"]] == ["c=1", "c=3"] and second["ok"] == 12
+    assert second["images_per_s"] == pytest.approx(2 * second["requests_per_s"], rel=1e-3)
+    cost = 2.5 / (second["images_per_s"] * 3600) * 1e6
+    assert second["usd_per_million_images"] == pytest.approx(cost, rel=1e-3)
+    assert Latencies(second["latency_hist"]).count == 12  # the histogram itself, re-readable
+    rows = Path(f"{out}.csv").read_text().splitlines()
+    assert len(rows) == 3 and rows[0].startswith("mode,load,req/s")
+    assert Path(f"{out}.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["--url", server.url, "--payload", "jpeg", "-b", "4", "-n", "1"]) == 2  # refused

@@ -122,3 +122,49 @@ def test_decompression_bomb_is_refused_from_the_header(side: int) -> None:
 def test_bad_images_raise_invalid_image(data: bytes, message: str) -> None:
     with pytest.raises(InvalidImage, match=message):
         ImageDecoder(SPEC, 10**8)(data)
+
+
+def _modes(width: int, height: int) -> list[tuple[str, bytes]]:
+    img = synthetic_image(width, height, seed=7)
+    grey16 = np.asarray(img.convert("L"), dtype=np.uint16) * 3  # above 255 too: clipped to white
+    rgba = img.convert("RGBA")
+    rgba.putalpha(img.convert("L"))
+    size = f"{width}x{height}"
+    return [
+        (f"png-i16-{size}", encode(Image.fromarray(grey16), "PNG")),
+        (f"png-1-{size}", encode(img.convert("1"), "PNG")),
+        (f"png-l-{size}", encode(img.convert("L"), "PNG")),
+        (f"png-la-{size}", encode(rgba.convert("LA"), "PNG")),
+        (f"png-p-{size}", encode(img.convert("P"), "PNG", transparency=0)),
+        (f"png-rgba-{size}", encode(rgba, "PNG")),
+        (f"jpeg-cmyk-{size}", encode(img.convert("CMYK"), "JPEG")),
+        (f"webp-rgba-{size}", encode(rgba, "WEBP", lossless=True)),
+    ]
+
+
+# Small, mid-size, and large enough for JPEG draft and Pillow's reduce() to take part.
+MODE_CASES = [case for w, h in [(64, 48), (300, 200), (2000, 1500)] for case in _modes(w, h)]
+
+
+@pytest.mark.parametrize(("name", "data"), MODE_CASES, ids=[c[0] for c in MODE_CASES])
+def test_every_mode_matches_open_clip_at_every_size(name: str, data: bytes) -> None:
+    """open_clip resizes in the decoded mode and converts to RGB after the crop (I;16 values
+    over 255 become 255); the exact path does the same, the fast path stays within tolerance.
+    2000x1500 I;16 used to be refused: Pillow's reduce() has no 16-bit modes."""
+    ref = reference_pixels(data)
+    np.testing.assert_array_equal(ImageDecoder(SPEC, 10**8, fast=False)(data), ref)
+    fast = ImageDecoder(SPEC, 10**8, fast=True)(data)
+    diff = np.abs(fast.astype(np.int16) - ref.astype(np.int16))
+    assert diff.mean() <= FAST_MEAN_PIXEL_DIFF, f"mean pixel diff {diff.mean():.3f}"
+
+
+@pytest.mark.parametrize("size", [(30, 6000), (6000, 30), (100, 9000)])
+def test_region_resize_of_thin_images_matches_open_clip(size: tuple[int, int]) -> None:
+    """Past MAX_RESIZED_PIXELS only the crop's source region is resized; open_clip's full
+    resize (here 224 x 44,800 at most) gives the same pixels within the fast tolerance."""
+    data = encode(synthetic_image(*size, seed=11), "PNG")
+    ref = reference_pixels(data)
+    for fast in (False, True):
+        ours = ImageDecoder(SPEC, 10**8, fast=fast)(data)
+        diff = np.abs(ours.astype(np.int16) - ref.astype(np.int16))
+        assert diff.mean() <= FAST_MEAN_PIXEL_DIFF and diff.max() <= 8, (fast, diff.max())

@@ -264,7 +264,11 @@ def test_info_health_and_metrics(serve: Serve) -> None:
         'clipserve_request_duration_seconds_count{route="/embed"}',
         'clipserve_stage_duration_seconds_count{protocol="png",stage="decode"}',
         "clipserve_batch_size_count",
-        "clipserve_queue_depth",
+        "clipserve_queue_depth 0.0",
+        "clipserve_text_queue_depth 0.0",
+        'clipserve_worker_alive{device="cpu"} 1.0',
+        'clipserve_worker_alive{device="text:cpu"} 1.0',
+        "clipserve_estimated_wait_seconds",
         "clipserve_items_total",
     ]:
         assert name in text, name

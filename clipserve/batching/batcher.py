@@ -119,7 +119,7 @@ class Batcher:
             raise NotReady("no executor worker is alive")
         if not self.admission.fits(n):
             _, overflow_s, _ = self._drain(self.admission.used + n - self.admission.capacity)
-            return self.admission.admit(n, deadline, _retry_after(overflow_s))
+            raise self.admission.full(_retry_after(overflow_s))
         if deadline is not None and (self.admission.used or self._busy()):
             busy, compute, margin = self._drain(self.admission.used + n)
             late_s = time.perf_counter() + busy + compute + margin - deadline

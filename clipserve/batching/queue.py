@@ -26,13 +26,15 @@ class Admission:
     def fits(self, n: int) -> bool:
         return self.used + n <= self.capacity
 
-    def admit(self, n: int, deadline: float | None = None, retry_after_s: int = 1) -> Ticket:
+    def full(self, retry_after_s: int = 1) -> Overloaded:
+        return Overloaded(
+            f"server queue is full ({self.used} of {self.capacity} images waiting); retry later",
+            retry_after_s,
+        )
+
+    def admit(self, n: int, deadline: float | None = None) -> Ticket:
         if not self.fits(n):
-            raise Overloaded(
-                f"server queue is full ({self.used} of {self.capacity} images waiting); "
-                "retry later",
-                retry_after_s,
-            )
+            raise self.full()
         self.used += n
         return Ticket(self, n, deadline)
 

@@ -148,15 +148,12 @@ class DeviceWorker:
             self._bisect(batch[:mid], mask[:mid], offset, outcome, depth + 1)
             self._bisect(batch[mid:], mask[mid:], offset + mid, outcome, depth + 1)
             return
-        finite = np.isfinite(out).all(axis=1)
-        for i, row in enumerate(out):
-            outcome.rows[offset + i] = (
-                row
-                if finite[i]
-                else NonFiniteEmbedding(
-                    "the model produced non-finite values (NaN or infinity) for this input"
-                )
+        rows: list[np.ndarray | ClipserveError] = list(out)
+        for i in np.flatnonzero(~np.isfinite(out).all(axis=1)):  # only these rows fail
+            rows[i] = NonFiniteEmbedding(
+                "the model produced non-finite values (NaN or infinity) for this input"
             )
+        outcome.rows[offset : offset + len(rows)] = rows
 
     async def _run(self, batch: list[WorkItem]) -> None:
         loop = asyncio.get_running_loop()

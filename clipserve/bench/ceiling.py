@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -75,7 +76,9 @@ def trivial_server(cpus: set[int] | None) -> Iterator[str]:
         stop(proc)
 
 
-def run_wrk(url: str, seconds: float, cpus: set[int] | None) -> float:
+def run_wrk(url: str, seconds: float, cpus: set[int] | None) -> tuple[float, float]:
+    """wrk's requests/s, and the CPU it used as a fraction of one core."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(
         ["wrk", "-t1", f"-c{CONNECTIONS}", f"-d{seconds:g}s", url + "/healthz"],
         capture_output=True,
@@ -83,10 +86,12 @@ def run_wrk(url: str, seconds: float, cpus: set[int] | None) -> float:
         check=True,
         preexec_fn=pin(cpus),
     ).stdout
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) / seconds
     match = re.search(r"Requests/sec:\s+([0-9.]+)", out)
     if not match:
         raise RuntimeError(f"unexpected wrk output: {out[:300]}")
-    return float(match.group(1))
+    return float(match.group(1)), cpu
 
 
 def run_ours(url: str, seconds: float, cpus: set[int] | None, procs: int = 1) -> dict[str, Any]:
@@ -125,14 +130,15 @@ def compare(
     server_cpus, client_cpus = _cpus()
     out = []
     with trivial_server(server_cpus) as url:
-        run_wrk(url, 1, client_cpus)  # warm both up
+        run_wrk(url, 1, client_cpus)  # warm the server up
         for i in range(rounds):
             # Alternate who goes first: the machine is shared and drifts.
             order = ("wrk", "ours") if i % 2 == 0 else ("ours", "wrk")
             row: dict[str, Any] = {"round": i + 1}
             for who in order:
                 if who == "wrk":
-                    row["wrk_rps"] = round(run_wrk(url, seconds, client_cpus), 1)
+                    rps, cpu = run_wrk(url, seconds, client_cpus)
+                    row["wrk_rps"], row["wrk_cpu"] = round(rps, 1), round(cpu, 3)
                 else:
                     ours = run_ours(url, seconds, client_cpus)
                     row["ours_rps"] = ours["requests_per_s"]
@@ -140,6 +146,9 @@ def compare(
                     row["ours_client_cpu"] = ours["client_cpu"]
                     row["ours_warnings"] = ours["warnings"]
             row["ratio"] = round(row["ours_rps"] / row["wrk_rps"], 3)
+            # Per core-second of client CPU: what each would reach with a core to itself.
+            row["wrk_per_cpu"] = round(row["wrk_rps"] / max(row["wrk_cpu"], 1e-3))
+            row["ours_per_cpu"] = round(row["ours_rps"] / max(sum(row["ours_client_cpu"]), 1e-3))
             log(
                 f"  round {i + 1}: wrk {row['wrk_rps']:,.0f} req/s, clipserve-bench "
                 f"{row['ours_rps']:,.0f} req/s ({row['ratio']:.2f}x)"
@@ -153,14 +162,15 @@ def summary_markdown(rounds: list[dict[str, Any]]) -> str:
         f"A trivial endpoint (uvicorn, uvloop + httptools, answer `{{}}`) pinned to one core; "
         f"each client pinned to the other; closed loop, {CONNECTIONS} connections, interleaved "
         "rounds.\n",
-        "| round | wrk req/s | clipserve-bench req/s | ratio | client CPU |",
-        "|---|---|---|---|---|",
+        "| round | wrk req/s | clipserve-bench req/s | ratio | client CPU (wrk, ours) | "
+        "req per client CPU-second (wrk, ours) |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rounds:
-        cpu = ", ".join(f"{c:.0%}" for c in r["ours_client_cpu"])
+        cpu = ", ".join(f"{c:.0%}" for c in [r["wrk_cpu"], *r["ours_client_cpu"]])
         lines.append(
-            f"| {r['round']} | {r['wrk_rps']:,.0f} | {r['ours_rps']:,.0f} | "
-            f"{r['ratio']:.2f} | {cpu} |"
+            f"| {r['round']} | {r['wrk_rps']:,.0f} | {r['ours_rps']:,.0f} | {r['ratio']:.2f} | "
+            f"{cpu} | {r['wrk_per_cpu']:,}, {r['ours_per_cpu']:,} |"
         )
     return "\n".join(lines)
 

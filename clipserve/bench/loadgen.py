@@ -106,6 +106,7 @@ class _Run:
             raise ValueError("no requests to send")
         self.url = url.rstrip("/")
         self.requests = requests
+        self.urls = [self.url + r.path for r in requests]  # built once, not per request
         self.spec = spec
         self.tally = Tally(raw=[] if spec.keep_raw else None)
         self.inflight: dict[int, float] = {}  # request id → intended send time
@@ -144,12 +145,15 @@ class _Run:
             t.send_lag.record(max(0.0, time.perf_counter() - intended))
         try:
             async with session.request(
-                req.method, self.url + req.path, data=req.body, headers=dict(req.headers)
+                req.method,
+                self.urls[rid % len(self.urls)],
+                data=req.body or None,
+                headers=req.headers,
             ) as r:
                 body = await r.read()
                 status = str(r.status)
                 timing = r.headers.get("Server-Timing", "")
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        except Exception as e:  # any failure is a result to report, never the end of the run
             status, timing = type(e).__name__, ""
             body = str(e).encode()
         finally:
@@ -263,6 +267,8 @@ class _Run:
             for task in [*tasks, *helpers]:
                 task.cancel()
             await asyncio.gather(*tasks, *helpers, return_exceptions=True)
+        if progress is not None:
+            progress(time.perf_counter() - start, "done", self.tally, 0)
         window = max(end - measured_from, 1e-9)
         self.tally.window_s = window
         self.tally.cpu_s = cpu
@@ -282,14 +288,15 @@ async def run_load(
     return await _Run(url, requests, spec).run(start_at, progress)
 
 
-def progress_printer(label: str, spec: LoadSpec, stream: TextIO = sys.stderr) -> Progress:
+def progress_printer(label: str, spec: LoadSpec, stream: TextIO | None = None) -> Progress:
     """A live line on stderr: in place on a terminal, one line every 5 s otherwise."""
-    tty = stream.isatty()
+    out = stream or sys.stderr  # looked up now: tests and callers may have replaced stderr
+    tty = out.isatty()
     last = [0, 0.0, 0]  # completed and time at the previous line, calls
 
     def report(elapsed: float, phase: str, tally: Tally, inflight: int) -> None:
         last[2] += 1
-        if not tty and last[2] % 5:
+        if not tty and last[2] % 5 and phase != "done":
             return
         done = tally.completed
         rate = (done - last[0]) / max(elapsed - last[1], 1e-9)
@@ -300,7 +307,7 @@ def progress_printer(label: str, spec: LoadSpec, stream: TextIO = sys.stderr) ->
             f"[{label} {elapsed:5.1f}{total} {phase}] {done} done {rate:7.1f} req/s "
             f"errors {errors} in flight {inflight} p99 {tally.latency.percentile_ms(99):.1f} ms"
         )
-        stream.write(("\r" + line + "\x1b[K") if tty else line + "\n")
-        stream.flush()
+        out.write(("\r" + line + "\x1b[K") if tty else line + "\n")
+        out.flush()
 
     return report

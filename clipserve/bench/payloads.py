@@ -2,8 +2,7 @@
 
 A kind turns a few source images (or texts) into a ready-to-send `Request`; the load generator
 rotates over a handful of them so no two consecutive requests are byte-identical. A new wire
-format (OpenAI `/v1/embeddings`, Open Inference Protocol `/v2/models/{name}/infer`) is one
-`@register(...)` function here and nothing else.
+format is one `@register(...)` function here and nothing else.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ import base64
 import io
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -228,6 +228,54 @@ def _text_msgpack(ctx: Context) -> Request:
     texts = _texts(ctx)
     body = msgpack.packb({"texts": texts})
     return Request("/embed/text", body, ctx.headers("application/msgpack"), len(texts))
+
+
+def _data_uri(data: bytes) -> str:
+    kind = {b"\xff\xd8": "jpeg", b"\x89P": "png", b"RI": "webp"}.get(data[:2], "jpeg")
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+@register("openai-images", "POST /v1/embeddings, images as data: URIs (OpenAI's API)")
+def _openai_images(ctx: Context) -> Request:
+    body = orjson.dumps(
+        {"model": ctx.model.name, "input": [_data_uri(d) for d in ctx.encoded_any()]}
+    )
+    return Request("/v1/embeddings", body, ctx.headers("application/json"), len(ctx.images))
+
+
+@register("openai-texts", "POST /v1/embeddings, texts (OpenAI's API)", text=True)
+def _openai_texts(ctx: Context) -> Request:
+    body = orjson.dumps({"model": ctx.model.name, "input": _texts(ctx)})
+    return Request("/v1/embeddings", body, ctx.headers("application/json"), len(ctx.images))
+
+
+def _kserve(ctx: Context, suffix: str = "", **inputs: Any) -> Request:
+    from clipserve.protocol.kserve import build_infer_request
+
+    body, headers = build_infer_request(**inputs)
+    return Request(
+        f"/v2/models/{ctx.model.name}{suffix}/infer",
+        body,
+        {**headers, **ctx.extra_headers},
+        len(ctx.images),
+    )
+
+
+@register("kserve-images", "Open Inference Protocol (KServe v2), encoded images as BYTES")
+def _kserve_images(ctx: Context) -> Request:
+    return _kserve(ctx, images=ctx.encoded_any())
+
+
+@register("kserve-tensor", "Open Inference Protocol (KServe v2), a tensor (--tensor-dtype)")
+def _kserve_tensor(ctx: Context) -> Request:
+    return _kserve(ctx, tensor=ctx.tensor())
+
+
+@register("kserve-texts", "Open Inference Protocol (KServe v2), texts (the -text model)", text=True)
+def _kserve_texts(ctx: Context) -> Request:
+    from clipserve.protocol.kserve import TEXT_SUFFIX
+
+    return _kserve(ctx, TEXT_SUFFIX, texts=_texts(ctx))
 
 
 def build_requests(

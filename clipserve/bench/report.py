@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clipserve.bench.images import load_images
+from clipserve.bench.images import SourceImage, load_images
 from clipserve.bench.loadgen import LoadSpec, run_async
 from clipserve.bench.payloads import KINDS, ModelInput, Request, build_requests
 from clipserve.bench.procs import clipserve_server, machine, machine_slug, tiny_model
@@ -40,10 +40,15 @@ class Plan:
     model_flags: list[str] = field(default_factory=list)
     model_desc: str = ""
     log: Callable[[str], None] = print
+    batched: PointResult | None = None  # the baseline's batched point, if the grid measured it
+
+    @property
+    def baseline_clients(self) -> int:
+        return 16 if self.quick else 32
 
     @property
     def window(self) -> float:
-        return 2.5 if self.quick else 10.0
+        return 2.0 if self.quick else 10.0
 
     @property
     def warmup(self) -> float:
@@ -60,11 +65,16 @@ class Plan:
         return clipserve_server([*base, "--gpus", "cpu", *cache, *extra])
 
 
+_SOURCES: list[SourceImage] = []
+
+
 def _requests(url: str, kind: str, n: int) -> list[Request]:
+    """Four distinct requests of `kind` with `n` images each, from 16 synthetic 640x480 images."""
+    if not _SOURCES:
+        _SOURCES.extend(load_images(None, (640, 480), 16))
     info = run_async(fetch_info(url))
     model = ModelInput.from_info(info or {})
-    sources = load_images(None, (640, 480), 8 * n)
-    return build_requests(kind, sources, model, images_per_request=n)
+    return build_requests(kind, _SOURCES, model, images_per_request=n, variants=4)
 
 
 def _point(url: str, reqs: list[Request], spec: LoadSpec, plan: Plan) -> PointResult:
@@ -104,6 +114,7 @@ def executors(plan: Plan) -> tuple[str, Any]:
             "gpus": "cpu",
             "max_batch_size": str(max(sizes)),
             "max_queue_size": str(max(sizes)),
+            "max_items_per_request": "1",
             "cache_dir": str(plan.work / "cache"),
         }
         if extra == "compile":
@@ -169,6 +180,8 @@ def grid(plan: Plan) -> tuple[str, Any]:
         with plan.server("--max-queue-delay-ms", str(delay)) as url:
             reqs = _requests(url, "jpeg", 1)
             cells[delay] = [_point(url, reqs, plan.spec(c), plan) for c in concurrency]
+            if delay == 0 and plan.quick:  # the baseline's batched side: one server fewer
+                plan.batched = _point(url, reqs, plan.spec(plan.baseline_clients), plan)
     headers = ["max queue delay", *(f"c={c}: img/s, p99 ms, batch" for c in concurrency)]
     rows = [
         [
@@ -215,7 +228,7 @@ def _grid_plot(
 
 
 def devices(plan: Plan) -> tuple[str, Any]:
-    counts = [1, 2, 4]
+    counts = [1, 4] if plan.quick else [1, 2, 4]
     option = ["--backend-option", "latency_ms=20", "--backend-option", "per_item_ms=4"]
     results = []
     for n in counts:
@@ -251,9 +264,12 @@ def devices(plan: Plan) -> tuple[str, Any]:
 
 
 def baseline(plan: Plan) -> tuple[str, Any]:
-    c = 16 if plan.quick else 32
+    c = plan.baseline_clients
     results = {}
     for label, size in (("one image per model call", "1"), ("dynamic batching (32)", "32")):
+        if size == "32" and plan.batched is not None:
+            results[label] = plan.batched  # measured with the grid's default server
+            continue
         plan.log(f"  --max-batch-size {size}")
         with plan.server("--max-batch-size", size) as url:
             reqs = _requests(url, "jpeg", 1)
@@ -332,8 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="clipserve-bench-") as work:
         plan = Plan(args.quick, out, Path(work), log=lambda s: print(s, flush=True))
         if args.quick:
-            plan.model_flags = ["--model", str(tiny_model(Path(work))), "--pretrained", "none"]
-            plan.model_desc = "tiny open_clip architecture (2 layers, width 64; random weights)"
+            # One torch thread: the client shares this machine's cores with the server.
+            tiny = str(tiny_model(Path(work)))
+            plan.model_flags = ["--model", tiny, "--pretrained", "none", "--threads", "1"]
+            plan.model_desc = (
+                "tiny open_clip architecture (2 layers, width 64; random weights; 1 torch thread)"
+            )
         else:
             plan.model_flags = ["--model", "ViT-B-32", "--pretrained", "none"]
             plan.model_desc = "ViT-B-32 (random weights), torch fp32 on CPU"

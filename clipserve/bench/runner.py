@@ -4,6 +4,7 @@ scrape again, merge, and judge whether the client itself was the limit."""
 from __future__ import annotations
 
 import multiprocessing
+import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -20,6 +21,7 @@ from clipserve.bench.stats import Tally
 # Past these the client, not the server, may be what was measured.
 CPU_SATURATED = 0.85  # of one core, per client process
 SEND_LAG_MS = 5.0  # open loop, p99 of (actual - intended) send time
+LOOP_LAG_MS = 20.0  # p99 lateness of the client's own 10 ms timer
 
 
 @dataclass
@@ -69,10 +71,8 @@ def drive(
     if procs <= 1:
         printer = progress_printer(label or spec.load, spec) if progress else None
         tally = run_async(run_load(url, requests, spec, progress=printer))
-        if progress:
-            import sys
-
-            sys.stderr.write("\n" if sys.stderr.isatty() else "")
+        if progress and sys.stderr.isatty():
+            sys.stderr.write("\n")
         return tally
     ctx = multiprocessing.get_context("spawn")
     start_at = time.time() + 2.0 + 0.3 * procs  # room for the children to start
@@ -99,6 +99,12 @@ def judge(tally: Tally, spec: LoadSpec) -> list[str]:
         warnings.append(
             f"client CPU at {worst:.0%} of a core: the load generator may be the bottleneck "
             "(add --procs, or run it on another machine)"
+        )
+    loop_lag = tally.loop_lag.percentile_ms(99)
+    if loop_lag > LOOP_LAG_MS and tally.window_s >= 1.0:
+        warnings.append(
+            f"the client's event loop ran {loop_lag:.0f} ms late (p99): it is short of CPU "
+            "(busy itself, or crowded out by other processes); add --procs or free a core"
         )
     if spec.rate is not None and tally.send_lag.count:
         lag = tally.send_lag.percentile_ms(99)
