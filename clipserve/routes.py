@@ -129,6 +129,9 @@ async def info(request: Request) -> Response:
                 "max_items_per_request": state.config.limits.max_items_per_request,
                 "max_body_bytes_in_flight": state.config.limits.max_body_bytes_in_flight,
                 "request_timeout_s": state.config.limits.request_timeout_s,
+                "max_connections": state.config.http.max_connections,
+                "max_header_bytes": state.config.http.max_header_bytes,
+                "header_timeout_s": state.config.http.header_timeout_s,
             },
         }
     )

@@ -165,3 +165,43 @@ def reference_embedding(model: Any, pixels: np.ndarray, normalize: bool = True) 
     with torch.inference_mode():
         out = model.encode_image(x, normalize=normalize)
     return out[0].numpy()
+
+
+@contextlib.contextmanager
+def cli_server(args: list[str], log_path: Path) -> Iterator[tuple[Any, str]]:
+    """`clipserve ARGS --port P` in a subprocess, its output in `log_path`; yields (process,
+    url) once /readyz answers 200, and kills it at the end if it is still running."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    port = free_port()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "clipserve", *args, "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 90
+            while True:
+                try:
+                    if httpx.get(url + "/readyz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, "did not start"
+                time.sleep(0.1)
+            yield proc, url
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def module_server(tiny_config: Path, tiny_checkpoint: Path) -> Iterator[RunningServer]:
+    """One tiny-model server for a whole test module (protocol suites), 8 items per request."""
+    with running(make_config(tiny_config, tiny_checkpoint, max_items_per_request=8)) as s:
+        yield s

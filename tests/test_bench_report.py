@@ -21,7 +21,7 @@ def test_quick_report_writes_every_section(tmp_path: Path) -> None:
     assert out.name.endswith("-quick") and out.name[:4].isdigit()  # date-machine-quick
     report = (out / "report.md").read_text()
     for title in ("Executors", "Wire formats", "Queue delay x concurrency", "Device scaling",
-                  "No batching", "own ceiling"):  # fmt: skip
+                  "No batching", "The load generator's own ceiling"):  # fmt: skip
         assert f"## {title}" in report
     assert "**Failed**" not in report
     doc = json.loads((out / "report.json").read_text())

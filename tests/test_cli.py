@@ -16,7 +16,7 @@ import pytest
 from clipserve.cli import build_parser
 from clipserve.config import ServerConfig, iter_options, load_config
 from clipserve.errors import ConfigError
-from tests.conftest import free_port, png_bytes, random_pixels, write_checkpoint
+from tests.conftest import cli_server, png_bytes, random_pixels, write_checkpoint
 
 
 def run_cli(
@@ -139,25 +139,10 @@ def test_bad_startup_arguments_fail_with_one_line(
 def test_sigterm_drains_in_flight_requests(
     tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
-    port = free_port()
-    log = (tmp_path / "server.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clipserve", "--model", str(tiny_config), "--checkpoint",
-         str(tiny_checkpoint), "--backend", "fake", "--backend-option", "latency_ms=400",
-         "--max-batch-size", "2", "--port", str(port), "--drain-timeout-s", "10"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(url + "/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.1)
+    args = ["--model", str(tiny_config), "--checkpoint", str(tiny_checkpoint), "--backend",
+            "fake", "--backend-option", "latency_ms=400", "--max-batch-size", "2",
+            "--drain-timeout-s", "10"]  # fmt: skip
+    with cli_server(args, tmp_path / "server.log") as (proc, url):
 
         async def load() -> list[int]:
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
@@ -175,11 +160,6 @@ def test_sigterm_drains_in_flight_requests(
         assert proc.wait(timeout=15) == 0
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/healthz")  # no longer accepting
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def test_readme_configuration_table_lists_every_option() -> None:

@@ -28,7 +28,7 @@ LIMITS = {
     "header_timeout_s": 0.5,
     "keep_alive_timeout_s": 0.5,
     "linger_timeout_s": 2,
-    "request_timeout_s": 0.5,
+    "request_timeout_s": 1.0,
     "max_body_bytes": 1024 * 1024,
 }
 
@@ -39,14 +39,14 @@ def server(tiny_config: Path, tiny_checkpoint: Path) -> Iterator[RunningServer]:
         yield s
 
 
+OPEN: list[socket.socket] = []  # raw client sockets of the running test
+
+
 @pytest.fixture(autouse=True)
 def _close_sockets() -> Iterator[None]:
     yield
     while OPEN:
         OPEN.pop().close()
-
-
-OPEN: list[socket.socket] = []
 
 
 def connect(server: RunningServer, timeout: float = 3.0) -> socket.socket:

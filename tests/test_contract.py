@@ -7,8 +7,6 @@ import asyncio
 import json
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import RunningServer, free_port, png_bytes, random_pixels
+from tests.conftest import RunningServer, cli_server, png_bytes, random_pixels
 
 Serve = Callable[..., RunningServer]
 PNG = {"Content-Type": "image/png"}
@@ -94,9 +92,10 @@ def test_request_id_must_be_visible_ascii(serve: Serve, raw: bytes) -> None:
 def test_visible_ascii_request_id_is_echoed_exactly(serve: Serve) -> None:
     server = serve(backend="fake")
     rid = "Req-42/abc:~!" + "z" * 100
-    assert httpx.get(server.url + "/healthz", headers={"X-Request-Id": rid}).headers[
-        "x-request-id"
-    ] == rid
+    assert (
+        httpx.get(server.url + "/healthz", headers={"X-Request-Id": rid}).headers["x-request-id"]
+        == rid
+    )
 
 
 def test_request_timeout_header_shortens_the_deadline(serve: Serve) -> None:
@@ -149,42 +148,23 @@ def test_bodies_in_flight_are_bounded(serve: Serve) -> None:
 def test_drain_timeout_answers_503_json_with_one_log_line_each(
     tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
-    port = free_port()
+    args = ["--model", str(tiny_config), "--checkpoint", str(tiny_checkpoint), "--backend",
+            "fake", "--backend-option", "latency_ms=3000", "--max-batch-size", "1",
+            "--drain-timeout-s", "1"]  # fmt: skip
     log_path = tmp_path / "server.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "clipserve", "--model", str(tiny_config), "--checkpoint",
-             str(tiny_checkpoint), "--backend", "fake", "--backend-option", "latency_ms=3000",
-             "--max-batch-size", "1", "--port", str(port), "--drain-timeout-s", "1"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 90
-            while True:
-                try:
-                    if httpx.get(url + "/readyz").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert proc.poll() is None and time.monotonic() < deadline, "did not start"
-                time.sleep(0.1)
+    with cli_server(args, log_path) as (proc, url):
 
-            async def load() -> list[httpx.Response]:
-                async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-                    body = png_bytes(random_pixels(1))
-                    tasks = [asyncio.create_task(client.post("/embed", content=body,
-                             headers=PNG)) for _ in range(3)]  # fmt: skip
-                    await asyncio.sleep(0.3)
-                    proc.send_signal(signal.SIGTERM)
-                    return [await t for t in tasks]
+        async def load() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                body = png_bytes(random_pixels(1))
+                tasks = [asyncio.create_task(client.post("/embed", content=body,
+                         headers=PNG)) for _ in range(3)]  # fmt: skip
+                await asyncio.sleep(0.3)
+                proc.send_signal(signal.SIGTERM)
+                return [await t for t in tasks]
 
-            responses = asyncio.run(load())
-            proc.wait(timeout=20)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        responses = asyncio.run(load())
+        proc.wait(timeout=20)
     cut = [r for r in responses if r.status_code != 200]
     assert cut, [r.status_code for r in responses]
     for r in cut:

@@ -7,7 +7,6 @@ import asyncio
 import base64
 import re
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,18 +19,15 @@ from clipserve.backends.base import normalise_numpy
 from clipserve.protocol import kserve
 from tests.conftest import (
     RunningServer,
-    make_config,
     png_bytes,
     random_pixels,
     reference_embedding,
-    running,
 )
 
 
 @pytest.fixture(scope="module")
-def server(tiny_config: Path, tiny_checkpoint: Path) -> Iterator[RunningServer]:
-    with running(make_config(tiny_config, tiny_checkpoint, max_items_per_request=8)) as s:
-        yield s
+def server(module_server: RunningServer) -> RunningServer:
+    return module_server
 
 
 @pytest.fixture(scope="module")

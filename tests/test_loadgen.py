@@ -108,6 +108,15 @@ def test_open_loop_rate_and_window_hold(serve: Serve) -> None:
     assert result.send_lag_ms["p50"] < 5 and result.window_s == pytest.approx(1.5, abs=0.05)
 
 
+def test_throughput_counts_answers_that_arrive_in_the_window(serve: Serve) -> None:
+    """400 ms per request, one client, window [0.5, 1.5) s: answers arrive at ~0.8 and ~1.2 s,
+    so 2 requests/s, although only the second was sent inside the window."""
+    server = serve(backend="fake", backend_option=["latency_ms=400"])
+    result = run_point(server.url, [PNG], LoadSpec(concurrency=1, duration_s=1.0, warmup_s=0.5))
+    assert result.requests_per_s == pytest.approx(2, abs=0.1)
+    assert result.completed == 1 and result.latency_ms["max"] >= 400
+
+
 class Stalling:
     """An ASGI app that answers at once, except that requests arriving during the stall window
     wait until its end: the server stops for `length` seconds. Other paths: 404."""

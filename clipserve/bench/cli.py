@@ -31,6 +31,8 @@ def _numbers(text: str, cast: type[float] | type[int]) -> list[float] | list[int
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="clipserve-bench",
+        usage="%(prog)s [options]\n       %(prog)s report [--quick] [--out DIR] [--sections S,...]"
+        "\n       %(prog)s ceiling [--rounds N] [--seconds S] [--json PATH]",
         description="Load generator for clipserve: closed loop (--concurrency) or open loop "
         "(--rate), latency from each request's intended send time, HDR percentiles, and the "
         "server's own breakdown from /metrics. Subcommands: 'report' (the whole benchmark "
@@ -43,12 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency",
         "-c",
         type=lambda s: _numbers(s, int),
+        metavar="N[,N...]",
         help="closed loop: clients sending back to back; a list sweeps (1,8,32)",
     )
     load.add_argument(
         "--rate",
         "-r",
         type=lambda s: _numbers(s, float),
+        metavar="R[,R...]",
         help="open loop: requests/s whatever the server does; a list sweeps",
     )
     load.add_argument(
@@ -70,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--requests",
         "-n",
         type=int,
+        metavar="N",
         help="measure exactly N requests per point instead of --duration",
     )
     load.add_argument("--timeout", type=float, default=60.0, help="per-request timeout (s)")
@@ -82,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument(
         "--procs", type=int, default=1, help="client processes sharing the load (results merged)"
     )
-    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--seed", type=int, default=0, help="open loop: the arrival times' seed")
     body = p.add_argument_group("requests")
     body.add_argument(
         "--payload", "-p", default="jpeg", choices=list(KINDS), help="wire format (--list-payloads)"
@@ -94,7 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="640x480",
         help="synthetic images when --images is not given: WIDTHxHEIGHT",
     )
-    body.add_argument("--images-per-request", "-b", type=int, default=1)
+    body.add_argument(
+        "--images-per-request",
+        "-b",
+        type=int,
+        default=1,
+        metavar="N",
+        help="images (or texts) per request, for the list formats",
+    )
     body.add_argument(
         "--tensor-dtype",
         default="uint8",

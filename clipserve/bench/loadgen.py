@@ -159,6 +159,9 @@ class _Run:
         finally:
             done = time.perf_counter()
             self.inflight.pop(rid, None)
+        if status == "200" and self.measure_start <= done <= self.measure_end:
+            t.window_ok += 1
+            t.window_items += req.items
         if not measured or done > self.measure_end:
             if measured:  # finished after the window closed: counted as unfinished there
                 t.unfinished += 1

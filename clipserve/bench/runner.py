@@ -143,8 +143,8 @@ def run_point(
     after = run_async(_scrape_once(url))
     server: Breakdown | None = breakdown(before, after)
     window = tally.window_s
-    rps = tally.ok / window
-    ips = tally.items_ok / window
+    rps = tally.window_ok / window
+    ips = tally.window_items / window
     timing = (
         {k: round(v / tally.timed, 3) for k, v in tally.stage_ms.items()} if tally.timed else {}
     )

@@ -59,6 +59,10 @@ class Tally:
     statuses: Counter[str] = field(default_factory=Counter)
     error_samples: dict[str, str] = field(default_factory=dict)  # status → first error body
     items_ok: int = 0
+    # Throughput counts OK answers that *arrived* in the window, whenever they were sent (as wrk
+    # does); latency statistics cover the requests *intended* in it.
+    window_ok: int = 0
+    window_items: int = 0
     unfinished: int = 0  # in flight when the window closed (latency recorded as a lower bound)
     unfinished_max_s: float = 0.0  # the oldest of them, then
     completed_s: float = 0.0  # sum of the completed requests' latencies
@@ -105,6 +109,8 @@ class Tally:
         for status, sample in other.error_samples.items():
             self.error_samples.setdefault(status, sample)
         self.items_ok += other.items_ok
+        self.window_ok += other.window_ok
+        self.window_items += other.window_items
         self.unfinished += other.unfinished
         self.unfinished_max_s = max(self.unfinished_max_s, other.unfinished_max_s)
         self.completed_s += other.completed_s
