@@ -114,12 +114,6 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
     return native_error(CLIENT_CLOSED, "client_closed", "client closed the request")
 
 
-async def _unexpected(request: Request, exc: Exception) -> Response:
-    log.error("unhandled error, request id %s", getattr(request.state, "request_id", "?"),
-              exc_info=exc)  # fmt: skip
-    return error_response(request.url.path, 500, "internal", "internal error")
-
-
 def _valid_request_id(raw: bytes) -> bool:
     """Visible ASCII only: it is echoed in a header and written to logs as it came."""
     return 0 < len(raw) <= MAX_REQUEST_ID and all(0x21 <= b <= 0x7E for b in raw)
@@ -171,6 +165,11 @@ class RequestObserver:
                              "characters", None)  # fmt: skip
                 return
             await self.app(scope, receive, send_wrapper)
+        except Exception as exc:  # not a domain error: opaque 500, logged once with its id
+            log.error("unhandled error, request id %s", request_id, exc_info=exc)
+            if started:
+                raise
+            await answer(500, "internal", "internal error", None)
         except asyncio.CancelledError:
             # uvicorn cancels what is still running when --drain-timeout-s expires.
             if started:
@@ -207,8 +206,10 @@ def create_app(
             rt.decode_workers(config.limits.decode_workers), thread_name_prefix="clipserve-decode"
         )
         batcher = Batcher(rt.executors, config.batching, metrics, rt.threads)
-        # The text tower has its own queue and workers, on the same device threads.
-        text_batcher = Batcher(rt.text_executors, config.batching, metrics, rt.threads, "text")
+        # The text tower has its own queue and workers (and on CUDA its own device threads).
+        text_batcher = Batcher(
+            rt.text_executors, config.batching, metrics, rt.text_threads or rt.threads, "text"
+        )
         metrics.add_scrape_time_gauges(
             lambda: {"image": batcher.depth(), "text": text_batcher.depth()},
             lambda: {
@@ -254,7 +255,6 @@ def create_app(
             HTTPException: _http_error,
             ClientGone: _client_gone,
             ClientDisconnect: _client_gone,
-            Exception: _unexpected,
         },
         lifespan=lifespan,
     )

@@ -287,7 +287,8 @@ def build_uvicorn_config(app: Any, config: HttpConfig, **overrides: Any) -> uvic
         "http": protocol_class(config),
         "ws": "none",  # no WebSocket routes: an upgrade must not escape these limits
         "timeout_keep_alive": config.keep_alive_timeout_s,  # a float works: call_later's delay
-        "timeout_graceful_shutdown": int(config.drain_timeout_s) or None,
+        # uvicorn's int annotation notwithstanding, the float goes to wait_for as is (0: now).
+        "timeout_graceful_shutdown": config.drain_timeout_s,
         "access_log": False,
         "server_header": False,
     }

@@ -46,17 +46,18 @@ def render_error(status: int, code: str, message: str) -> Response:
     return Response(codec.encode_error(message, status, code), status, media_type=JSON)
 
 
-def _parse(p: Pipeline, body: bytes) -> tuple[codec.EmbeddingsRequest, int]:
-    """Pool work: the request, and its usage (CLIP tokens of the texts, one per image)."""
+def _parse(p: Pipeline, body: bytes) -> tuple[codec.EmbeddingsRequest, np.ndarray | None, int]:
+    """Pool work: the request, its texts' tokens (once: they serve the model and the usage),
+    and the usage (CLIP tokens of the texts, one per image)."""
     limits = p.config.limits
     parsed = codec.parse_embeddings_request(
         body, models=model_names(p), embed_dim=p.runtime.model.embed_dim,
         max_items=limits.max_items_per_request, max_text_chars=limits.max_text_chars,
     )  # fmt: skip
-    tokens = 0
-    if parsed.texts:  # the tokenizer pads with 0 and counts start/end tokens, like the model
-        tokens = int(np.count_nonzero(p.runtime.tokenize(parsed.texts)))
-    return parsed, tokens + len(parsed.images)
+    tokens = p.runtime.tokenize(parsed.texts) if parsed.texts else None
+    # The tokenizer pads with 0 and counts start/end tokens, like the model.
+    used = 0 if tokens is None else int(np.count_nonzero(tokens))
+    return parsed, tokens, used + len(parsed.images)
 
 
 async def _all(jobs: Sequence[Awaitable[T]]) -> list[T]:
@@ -80,11 +81,11 @@ async def embeddings(request: Request) -> Response:
     async with p.request(request) as ctx:
         body = await p.read_body(request, ctx)
         with ctx.timer.measure("decode"):
-            parsed, tokens = await p.in_pool(_parse, p, body)
+            parsed, text_tokens, tokens = await p.in_pool(_parse, p, body)
         protocol = parsed.protocol
         jobs: list[Awaitable[Completed]] = []
         if parsed.texts:
-            jobs.append(p.embed_texts(TextWork(protocol, parsed.texts), ctx))
+            jobs.append(p.embed_texts(TextWork(protocol, parsed.texts, text_tokens), ctx))
         if parsed.images:
             work = ImageWork(protocol, images=parsed.images, positions=parsed.image_index)
             jobs.append(p.embed_images(work, ctx))

@@ -62,6 +62,7 @@ class ImageWork:
 class TextWork:
     protocol: str
     texts: list[str]
+    tokens: np.ndarray | None = None  # already tokenised (e.g. to count usage): not done twice
 
 
 @dataclass
@@ -178,19 +179,19 @@ class Pipeline:
         limit = self.config.limits.max_body_bytes
         declared = request.headers.get("content-length")
         with ctx.timer.measure("receive"):
-            if declared is not None and declared.isdigit():
-                if int(declared) > limit:
-                    raise PayloadTooLarge(
-                        f"body of {declared} bytes exceeds {limit} (--max-body-bytes)"
-                    )
-                self._reserve(ctx, int(declared))  # before reading: refuse early, hold nothing
+            digits = declared is not None and declared.isascii() and declared.isdigit()
+            if declared is not None and digits and (len(declared) > 19 or int(declared) > limit):
+                raise PayloadTooLarge(
+                    f"body of {declared[:20]} bytes exceeds {limit} (--max-body-bytes)"
+                )
+            # Reserved as bytes arrive, not as declared: a client that declares a large body
+            # and stalls holds only what it sent (headers alone must not lock uploads out).
             chunks, size = [], 0
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
                     raise PayloadTooLarge(f"body exceeds {limit} bytes (--max-body-bytes)")
-                if size > ctx.reserved_bytes:  # chunked, or longer than declared
-                    self._reserve(ctx, size - ctx.reserved_bytes)
+                self._reserve(ctx, len(chunk))
                 chunks.append(chunk)
         ctx.body_bytes = size
         return b"".join(chunks)
@@ -222,7 +223,9 @@ class Pipeline:
         ticket = self.text_batcher.admit(len(work.texts), ctx.deadline)
         try:
             with ctx.timer.measure("decode"):
-                tokens = await self.in_pool(self.runtime.tokenize, work.texts)
+                tokens = work.tokens
+                if tokens is None:
+                    tokens = await self.in_pool(self.runtime.tokenize, work.texts)
             return await self._run(self.text_batcher, ticket, list(tokens), ctx, normalize)
         finally:
             ticket.release_all()

@@ -44,6 +44,8 @@ class Runtime:
     text_executors: list[Executor]  # one per device, on the same thread as executors[i]
     threads: list[ThreadPoolExecutor]  # threads[i] is the only thread that runs device i
     decoder: ImageDecoder
+    # text_executors[i] run on text_threads[i]: threads[i] on the CPU, a thread of its own on CUDA
+    text_threads: list[ThreadPoolExecutor] = field(default_factory=list)
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def tokenize(self, texts: list[str]) -> np.ndarray:
@@ -74,7 +76,7 @@ class Runtime:
         return max(1, cores // 8) if self.on_cpu else cores
 
     def close(self) -> None:
-        _close(self.executors, self.text_executors, self.threads, wait=True)
+        _close(self.executors, self.text_executors, self.threads, self.text_threads, wait=True)
 
 
 def device_thread(device: str) -> ThreadPoolExecutor:
@@ -97,15 +99,24 @@ def _close(
     executors: list[Executor],
     text_executors: list[Executor],
     threads: list[ThreadPoolExecutor],
+    text_threads: list[ThreadPoolExecutor],
     *,
     wait: bool,
 ) -> None:
-    """Close each executor on its own device's thread (executors[i] and text_executors[i] run on
-    threads[i]; either list may be short after a failed build), then stop the threads."""
+    """Close each executor on the thread it runs on (either list may be short after a failed
+    build), then stop the threads, each once."""
     _close_built(executors, threads)
-    _close_built(text_executors, threads)
-    for thread in threads:
+    _close_built(text_executors, text_threads)
+    for thread in {id(t): t for t in (*threads, *text_threads)}.values():
         thread.shutdown(wait=wait)
+
+
+def text_thread(device: str, image_thread: ThreadPoolExecutor) -> ThreadPoolExecutor:
+    """Where the text tower runs. On CUDA, a thread of its own: each device thread blocks until
+    its batch's results are back, so a shared one would make text batches wait behind image
+    batches. On the CPU, the image thread: a second thread running torch would bring a second
+    OpenMP team (see the module docstring)."""
+    return device_thread(device) if device.startswith("cuda") else image_thread
 
 
 def _close_built(executors: list[Executor], threads: list[ThreadPoolExecutor]) -> None:
@@ -186,19 +197,22 @@ def build_runtime(config: ServerConfig) -> Runtime:
     """Load, build and warm up everything; raises StartupError with a one-line reason."""
     devices = resolve_devices(config.backend.gpus, config.backend.backend)
     threads = [device_thread(d) for d in devices]
+    text_threads = [text_thread(d, t) for d, t in zip(devices, threads, strict=True)]
     executors: list[Executor] = []
     text_executors: list[Executor] = []
     try:
-        for device, thread in zip(devices, threads, strict=True):
+        for device, thread, text in zip(devices, threads, text_threads, strict=True):
             _start_thread(thread, device)
+            if text is not thread:
+                _start_thread(text, device)
         model = threads[0].submit(load_model, config.model).result()
         backend, executors = _build_image_executors(model, config, devices, threads)
-        for device, thread in zip(devices, threads, strict=True):
+        for device, thread in zip(devices, text_threads, strict=True):
             text_executors.append(
                 thread.submit(_build_text_executor, model, config, device).result()
             )
     except BaseException:
-        _close(executors, text_executors, threads, wait=False)
+        _close(executors, text_executors, threads, text_threads, wait=False)
         raise
     decoder = ImageDecoder.from_limits(model.preprocess, config.limits)
-    return Runtime(model, backend, executors, text_executors, threads, decoder)
+    return Runtime(model, backend, executors, text_executors, threads, decoder, text_threads)

@@ -10,6 +10,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -117,32 +118,42 @@ def test_request_timeout_header_shortens_the_deadline(serve: Serve) -> None:
 
 
 def test_bodies_in_flight_are_bounded(serve: Serve) -> None:
-    """Incomplete bodies reserve their declared length: past the budget, 503 at once."""
+    """Bytes held by incomplete bodies count against one budget: past it, 503 at once."""
     server = serve(backend="fake", max_body_bytes=1 << 20, max_body_bytes_in_flight=3 << 20)
     port = int(server.url.rsplit(":", 1)[1])
+    budget = server.state.body_budget
     held = []
+    sent = (1 << 20) - 1000
     try:
-        for _ in range(3):  # 3 x 1 MiB declared, a few bytes sent: the budget is now full
+        for _ in range(3):  # 3 bodies of 1 MiB, all but their last 1000 bytes sent
             s = socket.create_connection(("127.0.0.1", port))
             s.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
-                      b"Content-Length: 1048576\r\n\r\nabc")  # fmt: skip
+                      b"Content-Length: 1048576\r\n\r\n" + b"\0" * sent)  # fmt: skip
             held.append(s)
-        time.sleep(0.3)
+        until(lambda: budget.used == 3 * sent)
         r = httpx.post(server.url + "/embed", content=png_bytes(random_pixels(3)), headers=PNG)
         assert r.status_code == 503 and error_of(r)["code"] == "overloaded"
         assert "--max-body-bytes-in-flight" in error_of(r)["message"]
         assert int(r.headers["retry-after"]) >= 1
+        # Headers alone reserve nothing: a declared body that never comes holds no budget.
+        idle = socket.create_connection(("127.0.0.1", port))
+        idle.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                     b"Content-Length: 1048576\r\n\r\n")  # fmt: skip
+        held.append(idle)
     finally:
-        for s in held:
+        for s in held[:3]:
             s.close()
-    deadline = time.monotonic() + 5
-    while True:  # the stalled bodies' reservations are released when their clients go away
-        r = httpx.post(server.url + "/embed", content=png_bytes(random_pixels(3)), headers=PNG)
-        if r.status_code == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    until(lambda: budget.used == 0)  # released when their clients go away
+    r = httpx.post(server.url + "/embed", content=png_bytes(random_pixels(3)), headers=PNG)
     assert r.status_code == 200
-    assert server.state.body_budget.used == 0
+    held[3].close()
+
+
+def until(condition: Callable[[], bool], timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
 
 
 def test_drain_timeout_answers_503_json_with_one_log_line_each(
@@ -159,7 +170,11 @@ def test_drain_timeout_answers_503_json_with_one_log_line_each(
                 body = png_bytes(random_pixels(1))
                 tasks = [asyncio.create_task(client.post("/embed", content=body,
                          headers=PNG)) for _ in range(3)]  # fmt: skip
-                await asyncio.sleep(0.3)
+                for _ in range(500):  # one computing, two queued: then stop the server
+                    metrics = (await client.get("/metrics")).text
+                    if "clipserve_queue_depth 2.0" in metrics:
+                        break
+                    await asyncio.sleep(0.02)
                 proc.send_signal(signal.SIGTERM)
                 return [await t for t in tasks]
 
@@ -197,3 +212,33 @@ def test_tokenizer_cache_stays_bounded(serve: Serve) -> None:
         assert specials <= tokenizer.cache.keys()  # the special tokens survive a reset
     finally:
         runtime.TOKENIZER_CACHE_ENTRIES = limit
+
+
+def test_unexpected_errors_answer_opaque_json_500_with_the_usual_headers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Not a domain error (a bug): the outermost layer answers it like every other error."""
+    from prometheus_client import CollectorRegistry
+
+    from clipserve.app import RequestObserver
+    from clipserve.metrics import Metrics
+
+    async def broken(scope: Any, receive: Any, send: Any) -> None:
+        raise RuntimeError("a bug")
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": "/x", "headers": [(b"x-request-id", b"r1")]}
+    asyncio.run(RequestObserver(broken, Metrics(CollectorRegistry()))(scope, receive, send))
+    start, body = sent[0], sent[1]
+    assert start["status"] == 500
+    headers = dict(start["headers"])
+    assert headers[b"x-request-id"] == b"r1" and headers[b"server-timing"].startswith(b"total;")
+    assert json.loads(body["body"]) == {"error": {"code": "internal", "message": "internal error"}}
+    assert [r.getMessage() for r in caplog.records] == ["unhandled error, request id r1"]

@@ -448,3 +448,19 @@ def test_text_tower_runs_on_its_own_stream(
         assert cos.min() >= 0.999
     finally:
         text.close()
+
+
+def test_text_tower_thread_is_shared_on_cpu_and_separate_on_cuda() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from clipserve.runtime import text_thread
+
+    image = ThreadPoolExecutor(1)
+    try:
+        assert text_thread("cpu", image) is image  # one OpenMP team on the CPU
+        assert text_thread("sim:0", image) is image
+        own = text_thread("cuda:1", image)  # a thread of its own; nothing runs on it here
+        assert own is not image
+        own.shutdown()
+    finally:
+        image.shutdown()

@@ -167,7 +167,7 @@ def test_jpeg_scan_bomb_is_refused_before_decoding() -> None:
     t0 = time.perf_counter()
     with pytest.raises(InvalidImage, match=f"more than {MAX_JPEG_SCANS} scans"):
         decode(bomb)
-    assert time.perf_counter() - t0 < 0.1
+    assert time.perf_counter() - t0 < 1.0  # seconds before the fix; generous for slow CI
 
 
 def test_jpeg_segment_flood_is_refused_before_pillow_walks_it() -> None:
@@ -176,7 +176,7 @@ def test_jpeg_segment_flood_is_refused_before_pillow_walks_it() -> None:
     t0 = time.perf_counter()
     with pytest.raises(InvalidImage, match="marker segments"):
         decode(flood)
-    assert time.perf_counter() - t0 < 0.1
+    assert time.perf_counter() - t0 < 1.0  # seconds before the fix; generous for slow CI
 
 
 @pytest.mark.parametrize("kind", [b"quUx", b"IDAT"])
@@ -185,7 +185,7 @@ def test_png_chunk_flood_is_refused(kind: bytes) -> None:
     t0 = time.perf_counter()
     with pytest.raises(InvalidImage, match="more than 16384 chunks"):
         decode(solid_png(64, 64, extra=flood))
-    assert time.perf_counter() - t0 < 0.1
+    assert time.perf_counter() - t0 < 1.0  # seconds before the fix; generous for slow CI
 
 
 def test_ztxt_bomb_is_refused() -> None:

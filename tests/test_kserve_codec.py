@@ -241,3 +241,34 @@ def test_build_infer_request_round_trips() -> None:
     assert request.protocol == "kserve-fp16" and request.tensor is not None
     body, headers = kserve.build_infer_request(texts=["a", "b"])
     assert parse(body, headers[kserve.HEADER_LENGTH], tower="text").texts == ["a", "b"]
+
+
+def test_hostile_headers_are_4xx_not_500() -> None:
+    from clipserve.errors import ClipserveError
+
+    body = b'{"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["aGk="]}]}'
+    for length in ("\u00b2", "9" * 5000, "-1", " 12 "[:0] + "1e3"):
+        with pytest.raises(ClipserveError):
+            kserve.split_body(body, length)
+    doc = (b'{"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["aGk="]}],'
+           b' "outputs": [{"name": ["x"]}]}')  # fmt: skip
+    with pytest.raises(ClipserveError, match="unexpected inference output"):
+        kserve.parse_infer_request(doc, None, tower="image", size=(224, 224), max_items=8,
+                                   max_text_chars=100)  # fmt: skip
+
+
+def test_container_floods_are_refused_before_parsing() -> None:
+    import tracemalloc
+
+    from clipserve.errors import TooManyItems
+
+    flood = b'{"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": [' + (
+        b"[]," * 1_000_000) + b'"aGk="]}]}'  # fmt: skip
+    tracemalloc.start()
+    try:
+        with pytest.raises(TooManyItems, match="arrays and objects"):
+            kserve.parse_infer_request(flood, None, tower="image", size=(224, 224), max_items=8,
+                                       max_text_chars=100)  # fmt: skip
+        assert tracemalloc.get_traced_memory()[1] < 16 << 20
+    finally:
+        tracemalloc.stop()

@@ -153,3 +153,17 @@ def test_build_request_round_trips() -> None:
                                              max_text_chars=20)  # fmt: skip
     assert request.texts == ["a cat"] and request.images == [PNG, JPEG]
     assert codec.data_uri(WEBP).startswith("data:image/webp;base64,")
+
+
+def test_value_floods_are_refused_before_parsing() -> None:
+    import tracemalloc
+
+    flood = b'{"input": [' + b"[]," * 1_000_000 + b'"a"]}'
+    tracemalloc.start()
+    try:
+        with pytest.raises(TooManyItems):
+            codec.parse_embeddings_request(flood, models=["m"], embed_dim=32, max_items=8,
+                                           max_text_chars=100)  # fmt: skip
+        assert tracemalloc.get_traced_memory()[1] < 16 << 20
+    finally:
+        tracemalloc.stop()

@@ -124,16 +124,18 @@ class BatchQueue:
         """Up to max_n live items of the oldest item's kind, in arrival order.
 
         Items whose deadline has passed are dropped. So are items that would finish after their
-        deadline if started now (by `batch_seconds`, the worker's estimate), but only when other
-        items fill the batch instead: an idle device computes even a doomed item, which keeps
-        its cost estimate measured rather than stuck at a value that refuses everything.
+        deadline if started now (by `batch_seconds`, the worker's estimate for the batch this
+        will be), but only when other live items can run instead: an idle device computes even
+        a doomed item, which keeps its cost estimate measured rather than stuck at a value that
+        refuses everything.
         """
         self._prune()
         if not self._items:
             return []
         now = time.perf_counter()
-        finish_by = now + batch_seconds(min(max_n, len(self._items)))
         kind = self._items[0].kind
+        live = sum(1 for item in self._items if item.kind == kind and not item.future.done())
+        finish_by = now + batch_seconds(min(max_n, live))
         batch: list[WorkItem] = []
         doomed: list[WorkItem] = []
         passed: list[WorkItem] = []

@@ -14,7 +14,13 @@ import numpy as np
 from clipserve.backends.base import Executor
 from clipserve.batching.cost import CostModel
 from clipserve.batching.queue import BatchQueue, WorkItem
-from clipserve.errors import ClipserveError, ExecutorFailed, ExecutorFatal, NonFiniteEmbedding
+from clipserve.errors import (
+    ClipserveError,
+    ExecutorFailed,
+    ExecutorFatal,
+    NonFiniteEmbedding,
+    NotReady,
+)
 from clipserve.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -130,13 +136,19 @@ class DeviceWorker:
     def _bisect(
         self, batch: np.ndarray, mask: np.ndarray, offset: int, outcome: Outcome, depth: int
     ) -> None:
-        if outcome.fatal is not None:
-            return  # the device is gone: what is left stays failed
+        if outcome.fatal is not None:  # the device is gone: what is left may go elsewhere
+            outcome.rows[offset : offset + len(batch)] = [
+                NotReady("the device was lost before this image ran; retry") for _ in batch
+            ]
+            return
         out: np.ndarray | None = None
         try:
             out = self._forward(batch, mask)
         except ExecutorFatal as exc:
             outcome.fatal = exc
+            outcome.rows[offset : offset + len(batch)] = [
+                NotReady("the device was lost while running this image; retry") for _ in batch
+            ]
             return
         except Exception as exc:  # CUDA out-of-memory included: smaller batches may fit
             if len(batch) == 1 or depth >= MAX_SPLIT_DEPTH:
@@ -169,6 +181,11 @@ class DeviceWorker:
             )
         except Exception as exc:  # not from the executor (the thread pool itself): fail all
             outcome = Outcome([ExecutorFailed("internal error") for _ in batch], errors=[exc])
+        except asyncio.CancelledError:  # stop() while computing: answer, do not strand them
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(NotReady("server is shutting down"))
+            raise
         finally:
             self.running = None
         finished = time.perf_counter()
@@ -197,14 +214,14 @@ class DeviceWorker:
         self.metrics.batch_failures.labels(self.device).inc()
         failed = sorted(
             {item.request_id for item, row in zip(batch, outcome.rows, strict=True)
-             if isinstance(row, ExecutorFailed)}
+             if isinstance(row, (ExecutorFailed, NotReady))}
         )  # fmt: skip
         error = outcome.fatal or outcome.errors[0]
         log.error(
             "%s on %s failed %d of a batch of %d after %d retries; request ids: %s",
             "device lost" if outcome.fatal else "executor error",
             self.device,
-            sum(isinstance(row, ExecutorFailed) for row in outcome.rows),
+            sum(isinstance(row, (ExecutorFailed, NotReady)) for row in outcome.rows),
             len(batch),
             outcome.retries,
             ", ".join(failed),

@@ -291,6 +291,12 @@ def baseline(plan: Plan) -> tuple[str, Any]:
         f"serves **{gain:.2f}x** the images/s of one request per model call.\n\n"
         + _md(["server", "img/s", "p50 ms", "p99 ms", "mean batch"], rows)
     )
+    if plan.quick:
+        text += (
+            "\n\nThe tiny model's forward pass takes a few ms, so decoding dominates and "
+            "batching has little to gain here; the full report (ViT-B-32) shows what it gains "
+            "when the model is the cost."
+        )
     return text, {k: r.to_dict() for k, r in results.items()}
 
 

@@ -32,6 +32,7 @@ from clipserve.errors import (
     InvalidTensor,
     InvalidText,
     TextTooLong,
+    TooManyItems,
     TooManyTexts,
 )
 from clipserve.protocol.tensors import MAX_DIM, check_count, expected_layout, parse_tensor
@@ -76,7 +77,7 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     if header_length is None:
         return body, memoryview(b"")
     raw = header_length.strip()
-    if not raw.isdigit() or int(raw) > len(body):
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 19) or int(raw) > len(body):
         raise InvalidBody(
             f"{HEADER_LENGTH}: {header_length[:40]!r} is not a length within the "
             f"{len(body)}-byte body"
@@ -224,7 +225,7 @@ def _outputs(doc: dict[str, Any]) -> list[RequestedOutput]:
     outputs: list[RequestedOutput] = []
     for spec in requested:
         name = spec.get("name") if isinstance(spec, dict) else None
-        if name not in OUTPUTS:
+        if not isinstance(name, str) or name not in OUTPUTS:
             raise InvalidTensor(f"unexpected inference output {name!r}; the outputs are "
                                 f"{', '.join(OUTPUTS)}")  # fmt: skip
         if any(o.name == name for o in outputs):
@@ -268,6 +269,18 @@ def _input(doc: dict[str, Any], binary: memoryview) -> tuple[dict[str, Any], mem
     return spec, binary
 
 
+def _check_containers(header: bytes, max_items: int, size: tuple[int, int]) -> None:
+    """Refuse before parsing a header holding more arrays and objects than the largest valid
+    request nests (JSON data for [N, 3, H, W] is N·3·H rows): orjson turns 31 MiB of `[],`
+    into 10 M lists (~0.9 GiB). Brackets inside strings only make the count stricter."""
+    limit = max_items * (3 * max(size) + 8) + 64
+    count = header.count(b"[") + header.count(b"{")
+    if count > limit:
+        raise TooManyItems(f"the inference header holds {count} arrays and objects; a request "
+                           f"of at most {max_items} items (--max-items-per-request) needs no "
+                           f"more than {limit}")  # fmt: skip
+
+
 def parse_infer_request(
     body: bytes,
     header_length: str | None,
@@ -280,6 +293,7 @@ def parse_infer_request(
     """Validate an inference request for the image or text model; `size` is the model's
     (height, width). Shapes and element counts are checked before any data is copied."""
     header, binary = split_body(body, header_length)
+    _check_containers(header, max_items, size)
     try:
         doc = orjson.loads(header)
     except orjson.JSONDecodeError as e:

@@ -27,6 +27,7 @@ from clipserve.errors import (
     TextTooLong,
     TooManyItems,
 )
+from clipserve.protocol.requests import loads_json
 
 ENCODING_FORMATS = ("float", "base64")
 # Base64 of the first bytes of each format the decoder reads: JPEG FF D8 FF, PNG 89 50 4E 47 0D 0A
@@ -171,10 +172,7 @@ def parse_embeddings_request(
     """Validate a request body; `models` are the names the served model answers to, the first
     being the one a request without `model` gets. Counts and lengths are checked before any
     base64 is decoded."""
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise InvalidBody(f"malformed JSON body ({e})") from None
+    doc = loads_json(body, max_items)  # counts values before building any
     if not isinstance(doc, dict):
         raise InvalidBody("the body must be a JSON object")
     model = _model(doc, models)
