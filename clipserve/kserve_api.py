@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from clipserve import pipeline
 from clipserve.batching import Batcher
 from clipserve.errors import ModelNotFound, UnsupportedMediaType
 from clipserve.pipeline import ImageWork, Pipeline, TextWork
@@ -22,10 +23,6 @@ from clipserve.protocol import kserve as codec
 from clipserve.protocol.media import JSON
 
 Tower = Literal["image", "text"]
-
-
-def _pipeline(request: Request) -> Pipeline:
-    return request.state.server  # type: ignore[no-any-return]
 
 
 def render_error(status: int, code: str, message: str) -> Response:
@@ -49,7 +46,7 @@ def _models(p: Pipeline) -> dict[str, Tower]:
 
 
 def _tower(request: Request) -> tuple[str, Tower]:
-    p = _pipeline(request)
+    p = pipeline.of(request)
     name: str = request.path_params["name"]
     models = _models(p)
     if name not in models:
@@ -72,24 +69,24 @@ async def server_metadata(request: Request) -> Response:
 
 async def live(request: Request) -> Response:
     """Like /healthz: false once a tower has no live worker (a lost device does not return)."""
-    p = _pipeline(request)
+    p = pipeline.of(request)
     return _empty(p.batcher.alive and p.text_batcher.alive)
 
 
 async def ready(request: Request) -> Response:
     """Like /readyz: true while every worker of both towers is alive."""
-    p = _pipeline(request)
+    p = pipeline.of(request)
     return _empty(all(w.alive for w in p.batcher.workers + p.text_batcher.workers))
 
 
 async def model_ready(request: Request) -> Response:
     _, tower = _tower(request)
-    return _empty(all(w.alive for w in _batcher(_pipeline(request), tower).workers))
+    return _empty(all(w.alive for w in _batcher(pipeline.of(request), tower).workers))
 
 
 async def model_metadata(request: Request) -> Response:
     name, tower = _tower(request)
-    model = _pipeline(request).runtime.model
+    model = pipeline.of(request).runtime.model
     return _json(codec.model_metadata(name, tower, model.preprocess.size, model.embed_dim))
 
 
@@ -99,7 +96,7 @@ async def infer(request: Request) -> Response:
     if encoding != "identity":
         raise UnsupportedMediaType(f"Content-Encoding {encoding[:40]} is not supported; send "
                                    "the request uncompressed")  # fmt: skip
-    p = _pipeline(request)
+    p = pipeline.of(request)
     limits, header_length = p.config.limits, request.headers.get(codec.HEADER_LENGTH)
     async with p.request(request) as ctx:
         body = await p.read_body(request, ctx)

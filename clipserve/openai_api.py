@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from clipserve import pipeline
 from clipserve.batching import Completed
 from clipserve.errors import ModelNotFound
 from clipserve.pipeline import ImageWork, Pipeline, TextWork
@@ -28,10 +29,6 @@ CREATED = 0  # OpenAI's `created` (a Unix time); a served checkpoint has no crea
 _STATUS = {422: 400}
 _STATUS_OF_CODE = {"too_many_items": 400, "too_many_texts": 400, "text_too_long": 400,
                    "image_too_large": 400}  # fmt: skip
-
-
-def _pipeline(request: Request) -> Pipeline:
-    return request.state.server  # type: ignore[no-any-return]
 
 
 def model_names(p: Pipeline) -> list[str]:
@@ -77,7 +74,7 @@ async def _all(jobs: Sequence[Awaitable[T]]) -> list[T]:
 
 
 async def embeddings(request: Request) -> Response:
-    p = _pipeline(request)
+    p = pipeline.of(request)
     async with p.request(request) as ctx:
         body = await p.read_body(request, ctx)
         with ctx.timer.measure("decode"):
@@ -103,12 +100,12 @@ async def embeddings(request: Request) -> Response:
 
 
 async def list_models(request: Request) -> Response:
-    return Response(codec.encode_models(model_names(_pipeline(request)), CREATED),
+    return Response(codec.encode_models(model_names(pipeline.of(request)), CREATED),
                     media_type=JSON)  # fmt: skip
 
 
 async def get_model(request: Request) -> Response:
-    names = model_names(_pipeline(request))
+    names = model_names(pipeline.of(request))
     model: str = request.path_params["model"]
     if model not in names:
         raise ModelNotFound(f"The model {model!r} does not exist; this server serves "

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -72,11 +72,9 @@ class RequestContext:
     request_id: str
     timer: StageTimer
     deadline: float  # time.perf_counter() by which the answer must be ready
-    timeout_s: float
     receive: Receive  # watched for a disconnect while the request waits for its batch
     body_bytes: int = 0
     reserved_bytes: int = 0  # share of --max-body-bytes-in-flight held until the request ends
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class BodyBudget:
@@ -135,8 +133,13 @@ def request_timeout(headers: Mapping[str, str], server_timeout_s: float) -> floa
     return min(ms / 1000, server_timeout_s)
 
 
+def of(request: Request) -> Pipeline:
+    """The pipeline the app's lifespan built, as every handler reaches it."""
+    return request.state.server  # type: ignore[no-any-return]
+
+
 class Pipeline:
-    """Built by the app's lifespan; reached by handlers through `request.state.server`."""
+    """Built by the app's lifespan; reached by handlers through `pipeline.of(request)`."""
 
     def __init__(
         self,
@@ -161,9 +164,8 @@ class Pipeline:
         timeout_s = request_timeout(request.headers, self.config.limits.request_timeout_s)
         timer = request.state.timer = StageTimer()  # error responses report the stages done too
         ctx = RequestContext(
-            request.state.request_id, timer, time.perf_counter() + timeout_s, timeout_s,
-            request.receive,
-        )  # fmt: skip
+            request.state.request_id, timer, time.perf_counter() + timeout_s, request.receive
+        )
         try:
             async with asyncio.timeout(timeout_s):
                 yield ctx

@@ -5,16 +5,13 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from clipserve import pipeline
 from clipserve.errors import InvalidParameter
 from clipserve.pipeline import ImageWork, Pipeline, TextWork
 from clipserve.protocol.media import media_type, negotiate
 from clipserve.protocol.requests import IMAGE_TYPES, REQUEST_TYPES, check_media_type, parse_body
 from clipserve.protocol.responses import RESPONSE_TYPES, encode_embeddings, out_dtype
 from clipserve.protocol.text import TEXT_TYPES, parse_texts
-
-
-def pipeline(request: Request) -> Pipeline:
-    return request.state.server  # type: ignore[no-any-return]
 
 
 def _flag(request: Request, name: str, default: bool) -> bool:
@@ -55,7 +52,7 @@ async def _text_work(p: Pipeline, request: Request, body: bytes) -> TextWork:
 
 async def _embed(request: Request, tower: str) -> Response:
     """/embed and /embed/text: negotiate, read, parse, embed, encode."""
-    p = pipeline(request)
+    p = pipeline.of(request)
     check_media_type(
         media_type(request.headers.get("content-type")),
         REQUEST_TYPES if tower == "image" else TEXT_TYPES,
@@ -95,7 +92,7 @@ async def embed_text(request: Request) -> Response:
 
 
 async def info(request: Request) -> Response:
-    state = pipeline(request)
+    state = pipeline.of(request)
     model, runtime, b = state.runtime.model, state.runtime, state.config.batching
     first = runtime.executors[0].info
     return JSONResponse(
@@ -140,7 +137,7 @@ async def info(request: Request) -> Response:
 async def healthz(request: Request) -> Response:
     """Liveness: fails once a tower has no live worker, so the orchestrator restarts the
     process (a lost device does not come back by itself)."""
-    p = pipeline(request)
+    p = pipeline.of(request)
     dead = [kind for kind, b in (("image", p.batcher), ("text", p.text_batcher)) if not b.alive]
     if dead:
         reason = "; ".join(f"{kind} tower: no live worker" for kind in dead)
@@ -149,7 +146,7 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    state = pipeline(request)
+    state = pipeline.of(request)
     workers = state.batcher.workers + state.text_batcher.workers
     status = {
         (w.device if w.kind == "image" else f"{w.kind}:{w.device}"): (
@@ -164,4 +161,4 @@ async def readyz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    return Response(pipeline(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(pipeline.of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
