@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import io
@@ -205,3 +206,12 @@ def module_server(tiny_config: Path, tiny_checkpoint: Path) -> Iterator[RunningS
     """One tiny-model server for a whole test module (protocol suites), 8 items per request."""
     with running(make_config(tiny_config, tiny_checkpoint, max_items_per_request=8)) as s:
         yield s
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait for the server to reach a state (polled; the test's clock is not the server's)."""
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the server never reached the state the test waits for")

@@ -22,6 +22,7 @@ from tests.conftest import (
     png_bytes,
     random_pixels,
     reference_embedding,
+    until,
 )
 
 
@@ -196,15 +197,6 @@ def test_unknown_v2_path_and_compressed_body_answer_triton_errors(server: Runnin
     r = httpx.post(f"{server.url}/v2/models/{name(server)}/infer", content=body,
                    headers={**headers, "Content-Encoding": "gzip"})  # fmt: skip
     assert r.status_code == 415 and "Content-Encoding gzip" in r.json()["error"]
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """Wait for the server to reach a state (polled; the test's clock is not the server's)."""
-    for _ in range(500):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the server never reached the state the test waits for")
 
 
 def test_overload_is_503_with_retry_after(serve: Callable[..., RunningServer]) -> None:

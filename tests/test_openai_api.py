@@ -20,6 +20,7 @@ from tests.conftest import (
     png_bytes,
     random_pixels,
     reference_embedding,
+    until,
 )
 
 
@@ -187,15 +188,6 @@ def test_wire_level_shapes(server: RunningServer) -> None:
     assert missing.json()["error"]["type"] == "invalid_request_error"
     bad = httpx.post(server.url + "/v1/embeddings", content=b"{", timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_body"
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """Wait for the server to reach a state (polled; the test's clock is not the server's)."""
-    for _ in range(500):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the server never reached the state the test waits for")
 
 
 def test_overload_is_a_server_error_with_retry_after(serve: Callable[..., RunningServer]) -> None:
