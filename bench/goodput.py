@@ -24,12 +24,10 @@ import asyncio
 import json
 import random
 import re
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +37,9 @@ import numpy as np
 from bench.common import machine, utc_now
 from bench.images import jpeg
 from clipserve.backends.fake import FakeExecutor
+from clipserve.bench.procs import clipserve_server, tiny_model
 from clipserve.preprocess import PreprocessSpec
 
-# A tiny open_clip config: the fake executor ignores the weights; the server needs the
-# preprocessing and the text tower it builds for every model.
-TINY_MODEL = {
-    "embed_dim": 32,
-    "vision_cfg": {"image_size": 224, "layers": 2, "width": 64, "head_width": 32, "patch_size": 32},
-    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2},
-}
 TENSOR_IMAGES = 4  # images per raw-tensor request
 
 
@@ -84,44 +76,6 @@ class Answer:
     done: float
     status: str  # HTTP status, or the client error's name (a hung or broken request)
     retry_after: int | None = None
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen[bytes]
-    url: str
-    options: dict[str, Any] = field(default_factory=dict)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
-def start_server(model: Path, port: int, per_item_ms: float, max_batch_size: int,
-                 timeout_s: float, max_queue_size: int, tree: Path | None) -> Server:  # fmt: skip
-    args = [
-        sys.executable, "-m", "clipserve", "--backend", "fake", "--pretrained", "none",
-        "--model", str(model), "--backend-option", f"per_item_ms={per_item_ms}",
-        "--max-batch-size", str(max_batch_size), "--max-queue-size", str(max_queue_size),
-        "--request-timeout-s", str(timeout_s), "--port", str(port), "--log-level", "warning",
-    ]  # fmt: skip
-    proc = subprocess.Popen(args, cwd=tree)  # another source tree: `-m` imports from the cwd
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit("server exited during startup")
-        try:
-            with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return Server(proc, url)
-        except OSError:
-            time.sleep(0.25)
-    proc.kill()
-    raise SystemExit("server did not become ready")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -185,7 +139,7 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def measure(
-    server: Server,
+    url: str,
     p: Payload,
     level: float,
     capacity: float,
@@ -196,12 +150,12 @@ def measure(
     seed: int,
 ) -> dict[str, Any]:
     rate = level * capacity / p.images
-    before = scrape(server.url)
+    before = scrape(url)
     answers, start = asyncio.run(
-        open_loop(server.url, p, rate, duration_s, timeout_s + 10, seed)
+        open_loop(url, p, rate, duration_s, timeout_s + 10, seed)
     )  # fmt: skip
     time.sleep(0.5)  # let the last answers be counted
-    after = scrape(server.url)
+    after = scrape(url)
 
     def delta(name: str) -> float:
         """The change of a metric, summed over its labels."""
@@ -282,7 +236,6 @@ def main() -> None:
     parser.add_argument("--max-queue-size", type=int, default=256)
     parser.add_argument("--duration", type=float, default=15.0, help="seconds of load per level")
     parser.add_argument("--skip", type=float, default=3.0, help="seconds not counted at first")
-    parser.add_argument("--port", type=int, default=8767)
     parser.add_argument("--out", type=Path)
     parser.add_argument(
         "--server-tree", type=Path, help="serve from this source tree (before/after)"
@@ -294,20 +247,26 @@ def main() -> None:
     all_payloads = payloads()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(tmp) / "tiny-clip.json"
-        model.write_text(json.dumps(TINY_MODEL))
+        # The fake executor ignores the weights; the server needs the preprocessing and the
+        # text tower it builds for every model.
+        model = tiny_model(Path(tmp))
         for timeout_s in (float(t) for t in args.timeouts.split(",")):
-            server = start_server(model, args.port, args.per_item_ms, args.max_batch_size,
-                                  timeout_s, args.max_queue_size, args.server_tree)  # fmt: skip
-            try:
+            flags = [
+                "--backend", "fake", "--pretrained", "none", "--model", str(model),
+                "--backend-option", f"per_item_ms={args.per_item_ms}",
+                "--max-batch-size", str(args.max_batch_size),
+                "--max-queue-size", str(args.max_queue_size),
+                "--request-timeout-s", str(timeout_s),
+            ]  # fmt: skip
+            with clipserve_server(flags, startup_s=120, cwd=args.server_tree) as url:
                 # two seconds at half capacity: the batcher measures its batch costs
-                asyncio.run(open_loop(server.url, all_payloads["jpeg"], nominal / 2, 2.0,
+                asyncio.run(open_loop(url, all_payloads["jpeg"], nominal / 2, 2.0,
                                       timeout_s + 10, seed=0))  # fmt: skip
                 for name in args.protocols.split(","):
                     for level in (float(x) for x in args.levels.split(",")):
                         capacity = executor_capacity(args.per_item_ms, args.max_batch_size)
                         row = measure(
-                            server,
+                            url,
                             all_payloads[name],
                             level,
                             capacity,
@@ -322,8 +281,6 @@ def main() -> None:
                             "protocol", "request_timeout_s", "overload", "goodput_over_capacity",
                             "hung", "latency_503_ms", "computed_over_answered", "statuses")}),
                             flush=True)  # fmt: skip
-            finally:
-                server.stop()
     result = {
         "benchmark": "goodput under overload",
         "date": utc_now(),

@@ -36,7 +36,7 @@ N = 8  # images per request for the list formats
 
 def formats(images: list[SourceImage]) -> dict[str, Request]:
     """The request formats compared, from clipserve.bench's payload kinds."""
-    model = ModelInput(SPEC.size, SPEC.mean, SPEC.std)
+    model = ModelInput(SPEC)
 
     def one(kind: str, n: int = N, dtype: str = "uint8") -> Request:
         return build_requests(kind, images, model, images_per_request=n, variants=1,

@@ -207,9 +207,7 @@ def create_app(
         )
         batcher = Batcher(rt.executors, config.batching, metrics, rt.threads)
         # The text tower has its own queue and workers (and on CUDA its own device threads).
-        text_batcher = Batcher(
-            rt.text_executors, config.batching, metrics, rt.text_threads or rt.threads, "text"
-        )
+        text_batcher = Batcher(rt.text_executors, config.batching, metrics, rt.text_threads, "text")
         metrics.add_scrape_time_gauges(
             lambda: {"image": batcher.depth(), "text": text_batcher.depth()},
             lambda: {

@@ -106,13 +106,12 @@ class Metrics:
         )
 
     def observe_batch(self, device: str, size: int, seconds: float, kind: str = "image") -> None:
+        self.count_items(size, kind)
         if kind == "text":
             self.text_batch_size.observe(size)
-            self.text_items.inc(size)
             return
         self.batch_size.observe(size)
         self.batch_duration.labels(device).observe(seconds)
-        self.items.inc(size)
 
     def count_items(self, n: int, kind: str = "image") -> None:
         """Items computed by a batch that is not observed whole (part of it failed)."""

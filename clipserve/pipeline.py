@@ -257,9 +257,8 @@ class Pipeline:
         try:
             completed = await unless_disconnected(
                 ctx.receive,
-                batcher.run(ticket, arrays, normalize=normalize, request_id=ctx.request_id,
-                            deadline=ctx.deadline),
-            )  # fmt: skip
+                batcher.run(ticket, arrays, normalize=normalize, request_id=ctx.request_id),
+            )  # the deadline rides on the ticket
         except BaseException:
             ctx.timer.add("queue", time.perf_counter() - t0)  # a failed request shows its wait
             raise

@@ -13,15 +13,13 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from clipserve.config import LimitsConfig
 from clipserve.errors import ImageTooLarge, InvalidImage, StartupError
-
-if TYPE_CHECKING:
-    from clipserve.config import LimitsConfig
 
 ACCEPTED_FORMATS = ("JPEG", "PNG", "WEBP")
 _RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
@@ -34,8 +32,8 @@ REDUCING_GAP = 3.0
 # image stays within this many pixels (aspect ratios up to ~80:1 at 224); beyond, only the
 # region the crop keeps is resized, so tall or thin images cannot allocate gigabytes.
 MAX_RESIZED_PIXELS = 1 << 22
-DEFAULT_MAX_DECODE_BYTES = 256 << 20
-DEFAULT_MAX_ASPECT = 200.0
+DEFAULT_MAX_DECODE_BYTES: int = LimitsConfig.max_decode_bytes  # the flags' defaults: one source
+DEFAULT_MAX_ASPECT: float = LimitsConfig.max_image_aspect
 # Container structure that costs time or memory out of proportion to its bytes, counted before
 # Pillow parses it (Pillow walks markers and chunks in Python, one by one). Real files stay far
 # below: libjpeg writes 10 scans and ~20 segments, libpng one IDAT per 8 KiB.

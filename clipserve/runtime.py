@@ -43,9 +43,9 @@ class Runtime:
     executors: list[Executor]
     text_executors: list[Executor]  # one per device, on the same thread as executors[i]
     threads: list[ThreadPoolExecutor]  # threads[i] is the only thread that runs device i
-    decoder: ImageDecoder
     # text_executors[i] run on text_threads[i]: threads[i] on the CPU, a thread of its own on CUDA
-    text_threads: list[ThreadPoolExecutor] = field(default_factory=list)
+    text_threads: list[ThreadPoolExecutor]
+    decoder: ImageDecoder
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def tokenize(self, texts: list[str]) -> np.ndarray:
@@ -215,4 +215,4 @@ def build_runtime(config: ServerConfig) -> Runtime:
         _close(executors, text_executors, threads, text_threads, wait=False)
         raise
     decoder = ImageDecoder.from_limits(model.preprocess, config.limits)
-    return Runtime(model, backend, executors, text_executors, threads, decoder, text_threads)
+    return Runtime(model, backend, executors, text_executors, threads, text_threads, decoder)

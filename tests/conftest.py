@@ -22,15 +22,10 @@ from PIL import Image
 from prometheus_client import CollectorRegistry
 
 from clipserve.app import create_app
+from clipserve.bench.procs import TINY_CONFIG, clipserve_process
 from clipserve.config import ServerConfig, load_config
 from clipserve.http_server import build_uvicorn_config
 from clipserve.pipeline import Pipeline
-
-TINY_CONFIG = {
-    "embed_dim": 32,
-    "vision_cfg": {"image_size": 224, "layers": 2, "width": 64, "head_width": 32, "patch_size": 32},
-    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2},
-}
 
 
 @pytest.fixture(scope="session")
@@ -170,35 +165,10 @@ def reference_embedding(model: Any, pixels: np.ndarray, normalize: bool = True) 
 
 @contextlib.contextmanager
 def cli_server(args: list[str], log_path: Path) -> Iterator[tuple[Any, str]]:
-    """`clipserve ARGS --port P` in a subprocess, its output in `log_path`; yields (process,
-    url) once /readyz answers 200, and kills it at the end if it is still running."""
-    import subprocess
-    import sys
-
-    import httpx
-
-    port = free_port()
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "clipserve", *args, "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 90
-            while True:
-                try:
-                    if httpx.get(url + "/readyz").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert proc.poll() is None and time.monotonic() < deadline, "did not start"
-                time.sleep(0.1)
-            yield proc, url
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    """`clipserve ARGS` in a subprocess, its output in `log_path`; yields (process, url) once
+    /readyz answers 200, and stops it at the end if it is still running."""
+    with log_path.open("w") as log, clipserve_process(args, startup_s=90, stdout=log) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -136,24 +136,23 @@ class DeviceWorker:
     def _bisect(
         self, batch: np.ndarray, mask: np.ndarray, offset: int, outcome: Outcome, depth: int
     ) -> None:
-        if outcome.fatal is not None:  # the device is gone: what is left may go elsewhere
-            outcome.rows[offset : offset + len(batch)] = [
-                NotReady("the device was lost before this image ran; retry") for _ in batch
-            ]
-            return
         out: np.ndarray | None = None
-        try:
-            out = self._forward(batch, mask)
-        except ExecutorFatal as exc:
-            outcome.fatal = exc
+        if outcome.fatal is None:
+            try:
+                out = self._forward(batch, mask)
+            except ExecutorFatal as exc:
+                outcome.fatal = exc
+            except Exception as exc:  # CUDA out-of-memory included: smaller batches may fit
+                if len(batch) == 1 or depth >= MAX_SPLIT_DEPTH:
+                    outcome.errors.append(exc)
+                    return
+        if (
+            outcome.fatal is not None
+        ):  # the device is gone: what it did not compute may go elsewhere
             outcome.rows[offset : offset + len(batch)] = [
-                NotReady("the device was lost while running this image; retry") for _ in batch
+                NotReady("the device was lost before this image was computed; retry") for _ in batch
             ]
             return
-        except Exception as exc:  # CUDA out-of-memory included: smaller batches may fit
-            if len(batch) == 1 or depth >= MAX_SPLIT_DEPTH:
-                outcome.errors.append(exc)
-                return
         if out is None:  # split outside the handler, so tracebacks do not chain
             mid = len(batch) // 2
             outcome.retries += 2

@@ -52,9 +52,7 @@ class Request:
 class ModelInput:
     """What tensor payloads need to know about the model: from the server's `GET /info`."""
 
-    size: tuple[int, int]  # (height, width)
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
+    spec: PreprocessSpec
     name: str = "model"
 
     @classmethod
@@ -65,15 +63,12 @@ class ModelInput:
         assert isinstance(size, list | tuple) and isinstance(mean, list | tuple)
         assert isinstance(std, list | tuple)
         h, w = (int(v) for v in size)
-        return cls(
+        spec = PreprocessSpec(
             (h, w),
             (float(mean[0]), float(mean[1]), float(mean[2])),
             (float(std[0]), float(std[1]), float(std[2])),
-            str(info.get("model_name", "model")),
         )
-
-    def spec(self) -> PreprocessSpec:
-        return PreprocessSpec(self.size, self.mean, self.std)
+        return cls(spec, str(info.get("model_name", "model")))
 
 
 @dataclass(frozen=True)
@@ -104,7 +99,7 @@ class Context:
 
     def tensor(self) -> np.ndarray:
         """The crops the server would make, uint8 NHWC, or normalised NCHW floats."""
-        spec = self.model.spec()
+        spec = self.model.spec
         decoder = ImageDecoder(spec, 10**9)
         pixels = np.stack([decoder(encode(s.image, "PNG")) for s in self.images])
         if self.tensor_dtype == "uint8":

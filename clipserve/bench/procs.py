@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import IO
 
 # The tiny open_clip architecture the tests use: real code paths, milliseconds per batch.
 TINY_CONFIG = {
@@ -47,15 +48,25 @@ def _ready(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def clipserve_server(
-    flags: Sequence[str], *, startup_s: float = 600, cpus: set[int] | None = None
-) -> Iterator[str]:
-    """`python -m clipserve FLAGS` on a free port until the block ends; yields its URL."""
+def clipserve_process(
+    flags: Sequence[str],
+    *,
+    startup_s: float = 600,
+    cpus: set[int] | None = None,
+    cwd: Path | None = None,
+    stdout: IO[str] | None = None,
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`python -m clipserve FLAGS` on a free port until the block ends; yields the process and
+    its URL once /readyz answers. With `cwd`, the server is imported from that source tree
+    (`-m` puts the cwd first); `stdout` takes its output (stderr too)."""
     port = free_port()
     cmd = [sys.executable, "-m", "clipserve", *flags, "--host", "127.0.0.1", "--port", str(port)]
     if "--log-level" not in flags:
         cmd += ["--log-level", "warning"]
-    proc = subprocess.Popen(cmd, preexec_fn=pin(cpus))
+    proc = subprocess.Popen(
+        cmd, preexec_fn=pin(cpus), cwd=cwd, stdout=stdout,
+        stderr=None if stdout is None else subprocess.STDOUT,
+    )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_s
@@ -64,10 +75,23 @@ def clipserve_server(
                 raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(flags)}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server not ready after {startup_s:g} s: {' '.join(flags)}")
-            time.sleep(0.2)
-        yield url
+            time.sleep(0.1)
+        yield proc, url
     finally:
         stop(proc)
+
+
+@contextlib.contextmanager
+def clipserve_server(
+    flags: Sequence[str],
+    *,
+    startup_s: float = 600,
+    cpus: set[int] | None = None,
+    cwd: Path | None = None,
+) -> Iterator[str]:
+    """`clipserve_process` for callers that need only the URL."""
+    with clipserve_process(flags, startup_s=startup_s, cpus=cpus, cwd=cwd) as (_, url):
+        yield url
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -31,11 +31,11 @@ from clipserve.errors import (
     InvalidImage,
     InvalidTensor,
     InvalidText,
-    TextTooLong,
     TooManyItems,
     TooManyTexts,
 )
 from clipserve.protocol.tensors import MAX_DIM, check_count, expected_layout, parse_tensor
+from clipserve.protocol.text import check_length
 
 Tower = Literal["image", "text"]
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -170,9 +170,7 @@ def _texts(spec: dict[str, Any], raw: memoryview | None, max_items: int,
             except UnicodeDecodeError:
                 raise InvalidText(f"item {index}: not UTF-8 text") from None
     for index, text in enumerate(texts):
-        if len(text) > max_chars:
-            raise TextTooLong(f"item {index}: {len(text)} characters; the limit is {max_chars} "
-                              "(--max-text-chars)")  # fmt: skip
+        check_length(text, index, max_chars)
     return texts
 
 

@@ -24,10 +24,10 @@ from clipserve.errors import (
     InvalidParameter,
     InvalidText,
     ModelNotFound,
-    TextTooLong,
     TooManyItems,
 )
 from clipserve.protocol.requests import loads_json
+from clipserve.protocol.text import check_length
 
 ENCODING_FORMATS = ("float", "base64")
 # Base64 of the first bytes of each format the decoder reads: JPEG FF D8 FF, PNG 89 50 4E 47 0D 0A
@@ -187,9 +187,7 @@ def parse_embeddings_request(
             continue
         if not item:
             raise InvalidText(f"item {index}: empty string")
-        if len(item) > max_text_chars:
-            raise TextTooLong(f"item {index}: {len(item)} characters; the limit is "
-                              f"{max_text_chars} (--max-text-chars)")  # fmt: skip
+        check_length(item, index, max_text_chars)
         request.texts.append(item)
         request.text_index.append(index)
     return request

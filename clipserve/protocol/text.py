@@ -27,7 +27,12 @@ def parse_texts(content_type: str, body: bytes, max_texts: int, max_chars: int) 
     for index, text in enumerate(texts):
         if not isinstance(text, str):
             raise InvalidText(f"item {index}: expected a string, got {type(text).__name__}")
-        if len(text) > max_chars:
-            raise TextTooLong(f"item {index}: {len(text)} characters; the limit is {max_chars} "
-                              "(--max-text-chars)")  # fmt: skip
+        check_length(text, index, max_chars)
     return texts
+
+
+def check_length(text: str, index: int, max_chars: int) -> None:
+    """The one --max-text-chars check, for every route that takes texts."""
+    if len(text) > max_chars:
+        raise TextTooLong(f"item {index}: {len(text)} characters; the limit is {max_chars} "
+                          "(--max-text-chars)")  # fmt: skip
