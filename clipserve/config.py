@@ -90,6 +90,11 @@ class LimitsConfig:
 class HttpConfig:
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on")
+    workers: int = _opt(
+        1,
+        "HTTP front-end processes sharing the port; above 1 they feed one engine process "
+        "(model, batcher, devices) through shared memory",
+    )
     log_level: str = _opt("info", "log level", choices=LOG_LEVELS)
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, how long in-flight requests may finish")
     max_connections: int = _opt(
@@ -256,6 +261,7 @@ def validate(config: ServerConfig) -> None:
     for item in be.backend_option:
         _require("=" in item, "backend_option", f"expected KEY=VALUE, got {item!r}")
     _require(0 <= h.port <= 65535, "port", "must be in 0..65535")
+    _require(1 <= h.workers <= 256, "workers", "must be in 1..256")
     _require(h.log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
     _require(h.drain_timeout_s >= 0, "drain_timeout_s", "must not be negative")
     _require(h.max_connections >= 1, "max_connections", "must be at least 1")

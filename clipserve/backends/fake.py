@@ -8,6 +8,8 @@ GPU. Options (`--backend-option KEY=VALUE`):
   fatal_pixel      as fail_pixel, but raise ExecutorFatal (the device is lost)
   nan_pixel        the embedding of an image whose top-left red value equals this is all NaN
   oom_above        raise an out-of-memory RuntimeError, as torch does, for batches larger than this
+  compute          0: skip the per-image features; each embedding is a row of a fixed table chosen
+                   by the image's first value, so benchmarks measure the server, not the fake
 Each `sim:N` device in `--gpus` gets its own instance, so multi-worker dispatch runs anywhere.
 """
 
@@ -48,7 +50,9 @@ class FakeExecutor:
         fatal_pixel: int | None = None,
         nan_pixel: int | None = None,
         oom_above: int | None = None,
+        compute: bool = True,
     ) -> None:
+        self.compute = compute
         self.spec = spec
         self.latency_s = latency_ms / 1000
         self.per_item_s = per_item_ms / 1000
@@ -104,7 +108,12 @@ class FakeExecutor:
             raise RuntimeError(f"CUDA out of memory (simulated on {self.info.device})")
         with self._lock:
             self.batches.append(len(batch))
-        out: np.ndarray = self.features(batch) @ self._proj
+        out: np.ndarray
+        if self.compute:
+            out = self.features(batch) @ self._proj
+        else:  # O(1) per image: a row picked by the first value
+            first = batch.reshape(len(batch), -1)[:, 0].astype(np.int64) % len(self._proj)
+            out = self._proj[first].copy()
         if self.nan_pixel is not None and batch.dtype == np.uint8:
             out[batch[:, 0, 0, 0] == self.nan_pixel] = np.nan
         return out
@@ -132,7 +141,10 @@ def _number(options: dict[str, str], key: str) -> float | None:
 
 def create(model: LoadedModel, config: ServerConfig, device: str) -> FakeExecutor:
     options = config.backend.options()
-    known = {"latency_ms", "per_item_ms", "fail_pixel", "fatal_pixel", "nan_pixel", "oom_above"}
+    known = {
+        "latency_ms", "per_item_ms", "fail_pixel", "fatal_pixel", "nan_pixel", "oom_above",
+        "compute",
+    }  # fmt: skip
     unknown = set(options) - known
     if unknown:
         raise StartupError(f"--backend-option: the fake backend has no option {sorted(unknown)}")
@@ -148,4 +160,5 @@ def create(model: LoadedModel, config: ServerConfig, device: str) -> FakeExecuto
         fatal_pixel=None if fatal is None else int(fatal),
         nan_pixel=None if nan is None else int(nan),
         oom_above=None if oom is None else int(oom),
+        compute=_number(options, "compute") != 0,
     )
