@@ -2,6 +2,14 @@
 
 Compares exact Pillow (what open_clip does), Pillow with JPEG draft at two margins and with
 `reducing_gap`, and simplejpeg where installed. Writes bench/results/decoders.json.
+
+    python -m bench.decoders per-core [--python NAME=PATH ...] [--rounds 9]
+
+Per core: decode + resize + crop of 640x480 JPEGs on one pinned core, in interleaved rounds of
+each interpreter (e.g. one with pillow-simd: docker/README.md), medians with min and max.
+Decoders: Pillow's draft path (the server's CPU default), Pillow exact, and torchvision's
+libjpeg-turbo through the device decoder (clipserve/gpu_decode.py) where torch is installed.
+Writes bench/results/decoders-per-core.json.
 """
 
 from __future__ import annotations
@@ -9,7 +17,11 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import platform
+import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -81,7 +93,100 @@ def variants() -> dict[str, object]:
     return out
 
 
+def corpus(count: int = 16, size: tuple[int, int] = (640, 480)) -> list[bytes]:
+    return [jpeg(size[0], size[1], seed=i) for i in range(count)]
+
+
+def per_core_round(images: list[bytes], seconds: float, batch: int = 64) -> dict[str, float]:
+    """One round in this interpreter, on one thread: ms per image for each decoder it has."""
+    fast = ImageDecoder(SPEC, 10**9)
+    exact = ImageDecoder(SPEC, 10**9, fast=False)
+
+    def loop(fn: object) -> float:
+        n, start = 0, time.perf_counter()
+        while n < len(images) or time.perf_counter() - start < seconds:
+            fn(images[n % len(images)])  # type: ignore[operator]
+            n += 1
+        return (time.perf_counter() - start) * 1000 / n
+
+    out = {"pillow-draft": loop(fast), "pillow-exact": loop(exact)}
+    try:
+        import torch
+
+        from clipserve.gpu_decode import DeviceDecoder
+    except ImportError:
+        return out
+    torch.set_num_threads(1)
+    dev = DeviceDecoder(fast, "cpu")
+    group = (images * (batch // len(images) + 1))[:batch]
+    dev.decode(group)
+    n, start = 0, time.perf_counter()
+    while n == 0 or time.perf_counter() - start < seconds:
+        dev.decode(group)
+        n += len(group)
+    out["torchvision-cpu (device decoder)"] = (time.perf_counter() - start) * 1000 / n
+    return out
+
+
+def per_core(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.decoders per-core")
+    parser.add_argument(
+        "--python",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="another interpreter, e.g. pillow-simd=/tmp/simd/bin/python",
+    )
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--seconds", type=float, default=1.0, help="per decoder per round")
+    parser.add_argument("--core", type=int, default=max(0, (os.cpu_count() or 1) - 1))
+    parser.add_argument("--out", default="bench/results/decoders-per-core.json")
+    args = parser.parse_args(argv)
+    pythons = {"pillow": sys.executable}
+    pythons.update(dict(item.split("=", 1) for item in args.python))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    samples: dict[str, list[float]] = {}
+    versions = {}
+    for r in range(args.rounds):
+        for name, python in pythons.items():  # interleaved: a noisy moment hits every one
+            cmd = ["taskset", "-c", str(args.core), python, "-m", "bench.decoders", "round",
+                   "--seconds", str(args.seconds)]  # fmt: skip
+            doc = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True,
+                                            env=env).stdout)  # fmt: skip
+            versions[name] = doc.pop("_pillow")
+            for decoder, ms in doc.items():
+                samples.setdefault(f"{name}: {decoder}", []).append(ms)
+        print(f"round {r + 1}/{args.rounds}", flush=True)
+    rows = []
+    for key, ms in samples.items():
+        rows.append({
+            "decoder": key, "ms_median": round(statistics.median(ms), 3),
+            "ms_min": round(min(ms), 3), "ms_max": round(max(ms), 3),
+            "images_per_s_per_core": round(1000 / statistics.median(ms), 1),
+        })  # fmt: skip
+    base = next(r["ms_median"] for r in rows if r["decoder"] == "pillow: pillow-draft")
+    for row in rows:
+        row["speedup_vs_pillow_draft"] = round(base / row["ms_median"], 3)
+        print(row)
+    doc = {
+        "benchmark": "decoders-per-core", "machine": platform.processor() or platform.machine(),
+        "input": "640x480 q90 synthetic JPEG -> 224x224 uint8 crop", "core": args.core,
+        "rounds": args.rounds, "seconds_per_round": args.seconds, "pillow": versions,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
+    }  # fmt: skip
+    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["per-core"]:
+        per_core(sys.argv[2:])
+        return
+    if sys.argv[1:2] == ["round"]:
+        seconds = float(sys.argv[sys.argv.index("--seconds") + 1])
+        result: dict[str, object] = dict(per_core_round(corpus(), seconds))
+        result["_pillow"] = Image.__version__
+        print(json.dumps(result))
+        return
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--out", default="bench/results/decoders.json")

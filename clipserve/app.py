@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
@@ -20,12 +21,12 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clipserve import errors, kserve_api, openai_api, routes
-from clipserve.batching import Batcher
 from clipserve.config import ServerConfig
 from clipserve.metrics import Metrics
-from clipserve.pipeline import ClientGone, Pipeline
+from clipserve.pipeline import ClientGone, Pipeline, Serving, Tower
 from clipserve.protocol.responses import encode_error
 from clipserve.runtime import Runtime, build_runtime
+from clipserve.towers import Towers, add_status_gauges
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ STATUS: dict[type[errors.ClipserveError], int] = {
 }
 CLIENT_CLOSED = 499  # nginx's code for "client closed request"; nobody reads the body
 MAX_REQUEST_ID = 128
+ENGINE_CONNECT_TIMEOUT_S = 60.0
 
 
 def status_for(error: errors.ClipserveError) -> int:
@@ -185,56 +187,73 @@ class RequestObserver:
             self.metrics.request_duration.labels(route).observe(time.perf_counter() - t0)
 
 
+@asynccontextmanager
+async def _towers(
+    config: ServerConfig,
+    runtime: Runtime | None,
+    engine: tuple[str, dict[str, Any]] | None,
+    metrics: Metrics,
+) -> AsyncIterator[tuple[Serving, Tower, Tower]]:
+    """The image and text towers: Batchers in this process, or the engine's (`--workers N`)."""
+    if engine is not None:
+        from clipserve.engine.remote import EngineLink, FrontRuntime, RemoteTower
+
+        socket_path, card = engine
+        link = EngineLink(socket_path, config, card)
+        try:
+            await link.start(ENGINE_CONNECT_TIMEOUT_S)
+            front = await asyncio.to_thread(FrontRuntime.from_card, card, config)
+            add_status_gauges(metrics, link.snapshot)
+            yield front, RemoteTower(link, "image"), RemoteTower(link, "text")
+        finally:
+            await link.close()
+        return
+    rt = runtime if runtime is not None else await asyncio.to_thread(build_runtime, config)
+    try:
+        towers = Towers.build(rt, config, metrics)
+        add_status_gauges(metrics, towers.status)
+        towers.start()
+        try:
+            yield rt, towers.image, towers.text
+        finally:
+            await towers.stop()
+    finally:
+        rt.close()
+
+
 def create_app(
     config: ServerConfig,
     runtime: Runtime | None = None,
     registry: CollectorRegistry | None = None,
+    engine: tuple[str, dict[str, Any]] | None = None,
 ) -> Starlette:
-    """The ASGI app. Without a prebuilt `runtime`, the lifespan loads the model and warms up.
+    """The ASGI app. Without a prebuilt `runtime`, the lifespan loads the model and warms up;
+    with `engine` (its socket and model card), a front end of the engine process instead.
 
-    The lifespan owns everything it starts: decode pool → batcher workers, torn down in
-    reverse; the runtime's executors are closed on shutdown either way.
+    The lifespan owns everything it starts: towers → decode pool, torn down in reverse; the
+    runtime's executors are closed on shutdown either way.
     """
     metrics = Metrics(registry)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Pipeline]]:
-        rt: Runtime = (
-            runtime if runtime is not None else await asyncio.to_thread(build_runtime, config)
-        )
-        pool = ThreadPoolExecutor(
-            rt.decode_workers(config.limits.decode_workers), thread_name_prefix="clipserve-decode"
-        )
-        batcher = Batcher(rt.executors, config.batching, metrics, rt.threads)
-        # The text tower has its own queue and workers (and on CUDA its own device threads).
-        text_batcher = Batcher(rt.text_executors, config.batching, metrics, rt.text_threads, "text")
-        metrics.add_scrape_time_gauges(
-            lambda: {"image": batcher.depth(), "text": text_batcher.depth()},
-            lambda: {
-                ex.info.device: used for ex in rt.executors if (used := ex.memory()) is not None
-            },
-            lambda: {
-                **{w.device: w.alive for w in batcher.workers},
-                **{f"text:{w.device}": w.alive for w in text_batcher.workers},
-            },
-            lambda: batcher.estimated_wait_s(1),
-        )
-        batcher.start()
-        text_batcher.start()
-        app.state.server = Pipeline(config, rt, batcher, text_batcher, metrics, pool)
-        log.info("serving %s with %s on %s", rt.model.identity, rt.backend,
-                 ", ".join(ex.info.device for ex in rt.executors))  # fmt: skip
-        # What startup built (the model, torch: ~400k objects) lives as long as the server. Out of
-        # the collector's sight, full collections under load stop stalling the loop 0.3-0.8 s
-        # (bench/goodput.py: p99 of 503s 830 -> 15 ms).
-        gc.freeze()
-        try:
-            yield {"server": app.state.server}
-        finally:
-            gc.unfreeze()
-            await asyncio.gather(batcher.stop(), text_batcher.stop())
-            pool.shutdown(wait=True)
-            rt.close()
+        async with _towers(config, runtime, engine, metrics) as (rt, image, text):
+            pool = ThreadPoolExecutor(
+                rt.decode_workers(config.limits.decode_workers),
+                thread_name_prefix="clipserve-decode",
+            )
+            app.state.server = Pipeline(config, rt, image, text, metrics, pool)
+            log.info("serving %s with %s on %s", rt.model.identity, rt.backend,
+                     ", ".join(rt.devices))  # fmt: skip
+            # What startup built (the model, torch: ~400k objects) lives as long as the server.
+            # Out of the collector's sight, full collections under load stop stalling the loop
+            # 0.3-0.8 s (bench/goodput.py: p99 of 503s 830 -> 15 ms).
+            gc.freeze()
+            try:
+                yield {"server": app.state.server}
+            finally:
+                gc.unfreeze()
+                pool.shutdown(wait=True)
 
     app = Starlette(
         routes=[

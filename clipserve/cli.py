@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from clipserve import __version__
 from clipserve.config import ServerConfig, iter_options, load_config
@@ -59,14 +60,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def configure_logging(level: str) -> None:
+def configure_logging(level: str, role: str | None = None) -> None:
+    """`role` names the process in each line when several serve together (--workers N)."""
+    where = f"[{role}] " if role else ""
     logging.basicConfig(
         level=logging.DEBUG if level == "trace" else getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s",
     )
 
 
-def _drain_on_signal_server() -> type:
+def draining_server(config: Any) -> Any:
+    """A uvicorn.Server for `config` (a uvicorn.Config) whose drained SIGTERM exits 0."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -86,10 +90,15 @@ def _drain_on_signal_server() -> type:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
-    return DrainingServer
+    return DrainingServer(config)
 
 
 def serve(config: ServerConfig) -> int:
+    if config.http.workers > 1:
+        from clipserve.engine.supervisor import supervise
+
+        return supervise(config)
+
     from clipserve.app import create_app
     from clipserve.http_server import build_uvicorn_config, ensure_fd_limit
     from clipserve.runtime import build_runtime
@@ -99,7 +108,7 @@ def serve(config: ServerConfig) -> int:
     runtime = build_runtime(config)
     app = create_app(config, runtime=runtime)
     ensure_fd_limit(config.http.max_connections)
-    server = _drain_on_signal_server()(build_uvicorn_config(app, config.http))
+    server = draining_server(build_uvicorn_config(app, config.http))
     server.run()
     return 0
 

@@ -16,9 +16,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from clipserve import pipeline
-from clipserve.batching import Batcher
 from clipserve.errors import ModelNotFound, UnsupportedMediaType
 from clipserve.pipeline import ImageWork, Pipeline, TextWork
+from clipserve.pipeline import Tower as Batching
 from clipserve.protocol import kserve as codec
 from clipserve.protocol.media import JSON
 
@@ -59,7 +59,7 @@ def _tower(request: Request) -> tuple[str, Tower]:
     return name, models[name]
 
 
-def _batcher(p: Pipeline, tower: Tower) -> Batcher:
+def _batcher(p: Pipeline, tower: Tower) -> Batching:
     return p.batcher if tower == "image" else p.text_batcher
 
 
@@ -76,7 +76,7 @@ async def live(request: Request) -> Response:
 async def ready(request: Request) -> Response:
     """Like /readyz: true while every worker of both towers is alive."""
     p = pipeline.of(request)
-    return _empty(all(w.alive for w in p.batcher.workers + p.text_batcher.workers))
+    return _empty(all(w.alive for w in [*p.batcher.workers, *p.text_batcher.workers]))
 
 
 async def model_ready(request: Request) -> Response:

@@ -1,10 +1,16 @@
-"""Prometheus metrics, owned by the app (a fresh registry per app, so tests never share state)."""
+"""Prometheus metrics, owned by the app (a fresh registry per app, so tests never share state).
+
+With --workers N every process (engine, front ends) writes its counters and histograms to files
+under PROMETHEUS_MULTIPROC_DIR (the client library's multiprocess mode) and any front end's
+/metrics sums them; the scrape-time gauges come from the engine's pushed status instead.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -62,6 +68,8 @@ class _ScrapeTimeGauges(Collector):
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+        self._gauges: list[Collector] = []
         r = self.registry
         self.requests = Counter(
             "clipserve_requests", "HTTP requests", ["route", "status"], registry=r
@@ -87,6 +95,10 @@ class Metrics:
         )  # fmt: skip
         self.items = Counter("clipserve_items", "Images embedded", registry=r)
         self.text_items = Counter("clipserve_text_items", "Texts embedded", registry=r)
+        self.device_busy = Counter(
+            "clipserve_device_busy_seconds", "Device time spent on image batches (overlapping "
+            "batches counted once); its rate is the busy fraction", ["device"], registry=r,
+        )  # fmt: skip
         self.batch_failures = Counter(
             "clipserve_batch_failures", "Batches failed by the executor", ["device"], registry=r
         )
@@ -125,9 +137,15 @@ class Metrics:
         estimated_wait: Callable[[], float],
     ) -> None:
         """`queue_depth` maps each tower (image, text) to what it has queued."""
-        self.registry.register(
-            _ScrapeTimeGauges(queue_depth, device_memory, workers_alive, estimated_wait)
-        )
+        gauges = _ScrapeTimeGauges(queue_depth, device_memory, workers_alive, estimated_wait)
+        self._gauges.append(gauges)
+        self.registry.register(gauges)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()  # every process's files, summed, and this one's gauges
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        for gauges in self._gauges:
+            registry.register(gauges)
+        return generate_latest(registry)

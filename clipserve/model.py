@@ -5,15 +5,19 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from clipserve.config import ModelConfig
 from clipserve.errors import StartupError
 from clipserve.preprocess import PreprocessSpec
 
 log = logging.getLogger(__name__)
+TOKENIZER_CACHE_ENTRIES = 50_000
 
 
 @dataclass
@@ -27,6 +31,22 @@ class LoadedModel:
     embed_dim: int
     tokenizer: Any  # open_clip tokenizer: list[str] → LongTensor (N, context_length)
     context_length: int
+    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def tokenize(self, texts: list[str]) -> np.ndarray:
+        """CPU work: run it in the decode pool."""
+        # open_clip's BPE cache keeps every distinct word it has seen (~6 KB each): a stream of
+        # random words would grow it without bound, so it starts over past a fixed size.
+        # The lock costs no parallelism (the tokenizer is pure Python, holding the GIL) and
+        # keeps a clear from racing another thread's cache lookup.
+        with self._tokenizer_lock:
+            cache = getattr(self.tokenizer, "cache", None)
+            if isinstance(cache, dict) and len(cache) > TOKENIZER_CACHE_ENTRIES:
+                specials = {k: v for k, v in cache.items() if k == v}  # <start_of_text>, ...
+                cache.clear()
+                cache.update(specials)
+            tokens = self.tokenizer(texts)
+        return tokens.numpy().astype(np.int64, copy=False)  # type: ignore[no-any-return]
 
     @property
     def identity(self) -> str:
@@ -51,7 +71,7 @@ def file_digest(path: Path, length: int = 12) -> str:
     return h.hexdigest()[:length]
 
 
-def _resolve_name(model: str) -> str:
+def resolve_name(model: str) -> str:
     """An open_clip name, or a JSON config file registered with open_clip under its stem."""
     import open_clip
 
@@ -74,7 +94,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     import open_clip
     import torch
 
-    name = _resolve_name(config.model)
+    name = resolve_name(config.model)
     pretrained = None if config.pretrained.lower() in ("none", "") else config.pretrained
     if config.checkpoint:
         pretrained = None

@@ -14,14 +14,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive
 
-from clipserve.batching import Batcher, Completed, Ticket
+from clipserve.batching import Completed
 from clipserve.config import ServerConfig
 from clipserve.errors import (
     ClipserveError,
@@ -32,11 +32,67 @@ from clipserve.errors import (
     with_item_index,
 )
 from clipserve.metrics import Metrics
-from clipserve.runtime import Runtime
+from clipserve.model import LoadedModel
+from clipserve.preprocess import ImageDecoder
 from clipserve.timing import StageTimer
 
 T = TypeVar("T")
 DEADLINE_HEADER = "x-request-timeout-ms"
+
+
+class Serving(Protocol):
+    """What the pipeline needs of the model: `Runtime` in one process, a front end's
+    `FrontRuntime` (no weights) with --workers N."""
+
+    model: LoadedModel
+    backend: str
+    decoder: ImageDecoder
+
+    @property
+    def devices(self) -> list[str]: ...
+
+    @property
+    def precision(self) -> str: ...
+
+    def tokenize(self, texts: list[str]) -> np.ndarray: ...
+
+    def decode_workers(self, requested: int) -> int: ...
+
+
+class WorkerView(Protocol):
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def error(self) -> str | None: ...
+
+
+class Ticket(Protocol):
+    def release_all(self) -> None: ...
+
+
+class Tower(Protocol):
+    """One tower's batching: a Batcher here, or the engine's through a RemoteTower."""
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def workers(self) -> Sequence[WorkerView]: ...
+
+    def depth(self) -> int: ...
+
+    async def reserve(self, n: int, deadline: float) -> Any: ...
+
+    async def run(
+        self, ticket: Any, arrays: Sequence[np.ndarray], *, normalize: bool, request_id: str
+    ) -> Completed: ...
 
 
 class ClientGone(Exception):
@@ -144,9 +200,9 @@ class Pipeline:
     def __init__(
         self,
         config: ServerConfig,
-        runtime: Runtime,
-        batcher: Batcher,
-        text_batcher: Batcher,
+        runtime: Serving,
+        batcher: Tower,
+        text_batcher: Tower,
         metrics: Metrics,
         decode_pool: ThreadPoolExecutor,
     ) -> None:
@@ -210,7 +266,8 @@ class Pipeline:
         self, work: ImageWork, ctx: RequestContext, *, normalize: bool = True
     ) -> Completed:
         """Admit, decode in the pool, batch, wait: the image tower's embeddings, in order."""
-        ticket = self.batcher.admit(work.count, ctx.deadline)  # before decoding: bounded backlog
+        # Admitted before decoding: the backlog of decoding images is bounded by the queue too.
+        ticket = await self.batcher.reserve(work.count, ctx.deadline)
         try:
             with ctx.timer.measure("decode"):
                 arrays = await self._images(work)
@@ -222,7 +279,7 @@ class Pipeline:
         self, work: TextWork, ctx: RequestContext, *, normalize: bool = True
     ) -> Completed:
         """Admit, tokenise in the pool, batch, wait: the text tower's embeddings, in order."""
-        ticket = self.text_batcher.admit(len(work.texts), ctx.deadline)
+        ticket = await self.text_batcher.reserve(len(work.texts), ctx.deadline)
         try:
             with ctx.timer.measure("decode"):
                 tokens = work.tokens
@@ -247,7 +304,7 @@ class Pipeline:
 
     async def _run(
         self,
-        batcher: Batcher,
+        batcher: Tower,
         ticket: Ticket,
         arrays: Sequence[np.ndarray],
         ctx: RequestContext,

@@ -236,6 +236,15 @@ class ImageDecoder:
         )
 
     def __call__(self, data: bytes) -> np.ndarray:
+        img = self.open(data)
+        try:
+            return self._crop(img)
+        except (OSError, ValueError, SyntaxError, EOFError) as e:
+            raise InvalidImage(f"truncated or corrupt image data ({e})") from None
+
+    def open(self, data: bytes) -> Image.Image:
+        """The header checks every decoder shares (structure, format, pixels, aspect), before
+        any pixel is decoded; the image comes back opened, not loaded."""
         if not data:
             raise InvalidImage("empty image body")
         check_structure(data)
@@ -261,10 +270,7 @@ class ImageDecoder:
                 f"{width}x{height} image has an aspect ratio over {self.max_aspect:g}:1 "
                 "(--max-image-aspect)"
             )
-        try:
-            return self._crop(img)
-        except (OSError, ValueError, SyntaxError, EOFError) as e:
-            raise InvalidImage(f"truncated or corrupt image data ({e})") from None
+        return img
 
     def _check_bytes(self, needed: int, img: Image.Image, why: str = "") -> None:
         if needed > self.max_bytes:

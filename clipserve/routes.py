@@ -94,7 +94,6 @@ async def embed_text(request: Request) -> Response:
 async def info(request: Request) -> Response:
     state = pipeline.of(request)
     model, runtime, b = state.runtime.model, state.runtime, state.config.batching
-    first = runtime.executors[0].info
     return JSONResponse(
         {
             "model": model.identity,
@@ -107,8 +106,8 @@ async def info(request: Request) -> Response:
             "std": list(model.preprocess.std),
             "interpolation": model.preprocess.interpolation,
             "backend": runtime.backend,
-            "precision": first.precision,
-            "devices": [ex.info.device for ex in runtime.executors],
+            "precision": runtime.precision,
+            "devices": runtime.devices,
             "batching": {
                 "max_batch_size": b.max_batch_size,
                 "max_queue_size": b.max_queue_size,
@@ -147,7 +146,7 @@ async def healthz(request: Request) -> Response:
 
 async def readyz(request: Request) -> Response:
     state = pipeline.of(request)
-    workers = state.batcher.workers + state.text_batcher.workers
+    workers = [*state.batcher.workers, *state.text_batcher.workers]
     status = {
         (w.device if w.kind == "image" else f"{w.kind}:{w.device}"): (
             "ok" if w.alive else f"dead: {w.error}"

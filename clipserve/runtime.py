@@ -15,12 +15,11 @@ is logged and skipped.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures.thread import BrokenThreadPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,7 +32,6 @@ from clipserve.model import LoadedModel, load_model
 from clipserve.preprocess import ImageDecoder
 
 log = logging.getLogger(__name__)
-TOKENIZER_CACHE_ENTRIES = 50_000
 
 
 @dataclass
@@ -46,22 +44,18 @@ class Runtime:
     # text_executors[i] run on text_threads[i]: threads[i] on the CPU, a thread of its own on CUDA
     text_threads: list[ThreadPoolExecutor]
     decoder: ImageDecoder
-    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def tokenize(self, texts: list[str]) -> np.ndarray:
         """CPU work: run it in the decode pool."""
-        # open_clip's BPE cache keeps every distinct word it has seen (~6 KB each): a stream of
-        # random words would grow it without bound, so it starts over past a fixed size.
-        # The lock costs no parallelism (the tokenizer is pure Python, holding the GIL) and
-        # keeps a clear from racing another thread's cache lookup.
-        with self._tokenizer_lock:
-            cache = getattr(self.model.tokenizer, "cache", None)
-            if isinstance(cache, dict) and len(cache) > TOKENIZER_CACHE_ENTRIES:
-                specials = {k: v for k, v in cache.items() if k == v}  # <start_of_text>, ...
-                cache.clear()
-                cache.update(specials)
-            tokens = self.model.tokenizer(texts)
-        return tokens.numpy().astype(np.int64, copy=False)  # type: ignore[no-any-return]
+        return self.model.tokenize(texts)
+
+    @property
+    def devices(self) -> list[str]:
+        return [ex.info.device for ex in self.executors]
+
+    @property
+    def precision(self) -> str:
+        return self.executors[0].info.precision
 
     @property
     def on_cpu(self) -> bool:

@@ -196,12 +196,12 @@ def _word(n: int) -> str:
 
 
 def test_tokenizer_cache_stays_bounded(serve: Serve) -> None:
-    from clipserve import runtime
+    from clipserve import model
 
     server = serve(backend="fake")
     tokenizer = server.state.runtime.model.tokenizer
     specials = {k for k, v in tokenizer.cache.items() if k == v}
-    limit, runtime.TOKENIZER_CACHE_ENTRIES = runtime.TOKENIZER_CACHE_ENTRIES, 50
+    limit, model.TOKENIZER_CACHE_ENTRIES = model.TOKENIZER_CACHE_ENTRIES, 50
     try:
         for batch in range(4):  # 4 x 30 distinct words, far past the lowered limit
             texts = [_word(batch * 30 + i) for i in range(30)]
@@ -211,7 +211,7 @@ def test_tokenizer_cache_stays_bounded(serve: Serve) -> None:
         assert any(k == _word(119) for k in tokenizer.cache)  # the newest words are cached
         assert specials <= tokenizer.cache.keys()  # the special tokens survive a reset
     finally:
-        runtime.TOKENIZER_CACHE_ENTRIES = limit
+        model.TOKENIZER_CACHE_ENTRIES = limit
 
 
 def test_unexpected_errors_answer_opaque_json_500_with_the_usual_headers(

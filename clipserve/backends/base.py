@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 
@@ -38,6 +38,43 @@ class Executor(Protocol):
     def memory(self) -> int | None: ...
 
     def close(self) -> None: ...
+
+
+class AsyncExecutor(Executor, Protocol):
+    """An executor whose device computes while the host goes on, as a GPU stream does.
+
+    `launch` (on the worker's device thread) assembles the batch, enqueues its copies and
+    compute, and returns at once with a handle; `wait` (on the worker's completion thread, in
+    launch order) blocks until that batch is done and returns float32 (N, embed_dim) rows, each
+    L2-normalised on the device where `normalize` is true, in memory of their own (never a
+    buffer a later batch reuses). A row that is not finite stays so. Either may raise: any
+    exception fails the batch, which the worker then bisects through `run`; `ExecutorFatal`
+    ends the worker. Executors without `launch`/`wait` (or with `asynchronous` false) keep the
+    synchronous `run` path.
+    """
+
+    asynchronous: bool  # false where this executor's device is synchronous (the CPU)
+
+    def launch(self, arrays: Sequence[np.ndarray], normalize: np.ndarray) -> object: ...
+
+    def wait(self, launched: object) -> np.ndarray: ...
+
+
+def as_async(executor: Executor) -> AsyncExecutor | None:
+    """The executor's asynchronous side, if its device has one."""
+    if getattr(executor, "asynchronous", False) and hasattr(executor, "launch"):
+        return cast(AsyncExecutor, executor)
+    return None
+
+
+def l2_normalise_rows(out: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Rows where `mask` is true scaled to unit length, on the host. Norms in float64: squares
+    of large finite float32 values overflow float32 to inf. Rows that are already NaN or
+    infinite stay so, quietly: the worker refuses them."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        norms = np.linalg.norm(out.astype(np.float64), axis=1, keepdims=True)
+        scaled = (out / np.maximum(norms, 1e-12)).astype(np.float32)
+    return np.where(mask[:, None], scaled, out)
 
 
 def check_batch(batch: np.ndarray, spec: PreprocessSpec) -> None:

@@ -11,6 +11,12 @@ GPU. Options (`--backend-option KEY=VALUE`):
   compute          0: skip the per-image features; each embedding is a row of a fixed table chosen
                    by the image's first value, so benchmarks measure the server, not the fake
 Each `sim:N` device in `--gpus` gets its own instance, so multi-worker dispatch runs anywhere.
+
+With a latency (latency_ms or per_item_ms) the fake is also a simulated GPU for the pipelined
+worker: `launch` stacks the batch on the caller's thread (the host's share) and queues it on
+one "stream" thread per executor, which sleeps (releasing the GIL, as a kernel would) and
+computes; batches finish in launch order, each its latency after the previous one. `run` keeps
+the synchronous behaviour.
 """
 
 from __future__ import annotations
@@ -18,11 +24,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from clipserve.backends.base import ExecutorInfo, check_batch, normalisation_affine
+from clipserve.backends.base import (
+    ExecutorInfo,
+    check_batch,
+    l2_normalise_rows,
+    normalisation_affine,
+)
 from clipserve.errors import ExecutorFatal, StartupError
 
 if TYPE_CHECKING:
@@ -67,6 +79,12 @@ class FakeExecutor:
         self.batches: list[int] = []  # sizes of the batches run, in order (tests read this)
         self.attempts: list[int] = []  # sizes of every call to run(), failed ones included
         self.closed = False
+        self._stream: ThreadPoolExecutor | None = None  # the simulated device, made on first use
+
+    @property
+    def asynchronous(self) -> bool:
+        """Pipelined only with a simulated device time: without one the fake is host work."""
+        return self.latency_s > 0 or self.per_item_s > 0
 
     @property
     def items_run(self) -> int:
@@ -97,6 +115,27 @@ class FakeExecutor:
         check_batch(batch, self.spec)
         with self._lock:
             self.attempts.append(len(batch))
+        return self._device(batch)
+
+    def launch(self, arrays: Sequence[np.ndarray], normalize: np.ndarray) -> object:
+        batch = np.stack(arrays)  # the host's share of a batch: assembling it
+        check_batch(batch, self.spec)
+        with self._lock:
+            self.attempts.append(len(batch))
+        if self._stream is None:
+            self._stream = ThreadPoolExecutor(1, thread_name_prefix=f"fake-{self.info.device}")
+        return self._stream.submit(self._launched, batch, normalize.copy())
+
+    def wait(self, launched: object) -> np.ndarray:
+        assert isinstance(launched, Future)
+        out: np.ndarray = launched.result()
+        return out
+
+    def _launched(self, batch: np.ndarray, normalize: np.ndarray) -> np.ndarray:
+        return l2_normalise_rows(self._device(batch), normalize)  # "on the device"
+
+    def _device(self, batch: np.ndarray) -> np.ndarray:
+        """The simulated device's work: its latency, then the embeddings or the failure."""
         time.sleep(self.latency_s + self.per_item_s * len(batch))
         if batch.dtype == np.uint8:
             marks = batch[:, 0, 0, 0].tolist()
@@ -128,6 +167,8 @@ class FakeExecutor:
 
     def close(self) -> None:
         self.closed = True
+        if self._stream is not None:  # batches still queued on the simulated device are dropped
+            self._stream.shutdown(wait=False, cancel_futures=True)
 
 
 def _number(options: dict[str, str], key: str) -> float | None:

@@ -131,6 +131,10 @@ class Batcher:
                 )
         return self.admission.admit(n, deadline)
 
+    async def reserve(self, n: int, deadline: float | None = None) -> Ticket:
+        """`admit`, as the pipeline awaits it from any tower (the engine's is a round trip)."""
+        return self.admit(n, deadline)
+
     def _busy(self) -> bool:
         return any(w.running is not None for w in self.workers)
 

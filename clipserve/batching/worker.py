@@ -1,17 +1,27 @@
-"""One worker per device: takes batches from the shared queue and runs them on its own thread."""
+"""One worker per device: takes batches from the shared queue and keeps up to `depth` of them in
+flight on its device.
+
+Two coroutines share the work. The feeder takes a batch as soon as fewer than `depth` are in
+flight and launches it on the device thread; the finisher waits for the oldest launched batch on
+a completion thread, in launch order, and answers its items. So batch k+1 is taken, assembled and
+copied while batch k computes. An executor without an asynchronous side (the CPU) computes the
+whole batch on the device thread, one batch at a time: depth 1, today's synchronous path.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from clipserve.backends.base import Executor
+from clipserve.backends.base import Executor, as_async, l2_normalise_rows
+from clipserve.backends.device import select_device
 from clipserve.batching.cost import CostModel
 from clipserve.batching.queue import BatchQueue, WorkItem
 from clipserve.errors import (
@@ -25,18 +35,12 @@ from clipserve.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+__all__ = ["MAX_SPLIT_DEPTH", "DeviceWorker", "Outcome", "l2_normalise_rows"]
+
 # A failing batch is split in halves, and failing halves again, this many times at most: enough
 # to isolate single items in batches of up to 256, and bounded when every item fails.
 MAX_SPLIT_DEPTH = 8
-
-
-def l2_normalise_rows(out: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    # Norms in float64: squares of large finite float32 values overflow float32 to inf. Rows
-    # that are already NaN or infinite stay so, quietly: the caller refuses them.
-    with np.errstate(over="ignore", invalid="ignore"):
-        norms = np.linalg.norm(out.astype(np.float64), axis=1, keepdims=True)
-        scaled = (out / np.maximum(norms, 1e-12)).astype(np.float32)
-    return np.where(mask[:, None], scaled, out)
+_LOST = "the device was lost before this image was computed; retry"
 
 
 @dataclass
@@ -47,10 +51,24 @@ class Outcome:
     retries: int = 0  # sub-batches run again after a failure
     errors: list[Exception] = field(default_factory=list)  # executor failures, for the log
     fatal: ExecutorFatal | None = None
+    device_s: float = 0.0  # the device's time on this batch, not counting waits behind others
 
     @property
     def clean(self) -> bool:
         return not self.retries and not self.errors and self.fatal is None
+
+
+@dataclass(eq=False)
+class _Batch:
+    """A batch taken from the queue and not yet answered."""
+
+    items: list[WorkItem]
+    taken_at: float
+    mask: np.ndarray  # which rows to L2-normalise
+    launched: object = None  # the executor's handle, once launched
+    launched_at: float = 0.0
+    error: Exception | None = None  # launching or waiting failed: bisect it synchronously
+    outcome: Outcome | None = None  # computed synchronously already
 
 
 class DeviceWorker:
@@ -65,7 +83,10 @@ class DeviceWorker:
         thread: ThreadPoolExecutor | None = None,
         on_death: Callable[[], None] = lambda: None,
         kind: str = "image",
+        pipeline_depth: int = 1,
     ) -> None:
+        """`pipeline_depth` batches may be in flight at once where the executor is asynchronous
+        (`as_async`); a synchronous executor always runs one at a time."""
         self.kind = kind
         self.executor = executor
         self.device = executor.info.device
@@ -74,13 +95,27 @@ class DeviceWorker:
         self.max_delay_s = max_delay_s
         self.metrics = metrics
         self.on_death = on_death
-        self.cost = CostModel()  # learned from this worker's clean batches
-        self.running: tuple[float, int] | None = None  # (started, size) of the batch computing
+        self.cost = CostModel()  # device time per batch, learned from this worker's clean batches
+        self.asynchronous = as_async(executor) if pipeline_depth > 1 else None
+        self.depth = pipeline_depth if self.asynchronous is not None else 1
+        self._inflight: deque[_Batch] = deque()  # taken, not yet answered, in launch order
+        self._last_done = 0.0  # time.perf_counter() when the device last finished a batch
         # The executor is only ever called from one thread: the runtime's thread that built it,
-        # or a dedicated one made here (and shut down by stop()).
+        # or a dedicated one made here (and shut down by stop()). Waiting for launched batches
+        # happens on a second thread, bound to the same device, so launching never waits.
         self._owns_thread = thread is None
         self._thread = thread or ThreadPoolExecutor(
             1, thread_name_prefix=f"clipserve-{self.device}"
+        )
+        self._waiter = (
+            ThreadPoolExecutor(
+                1,
+                thread_name_prefix=f"clipserve-{self.device}-wait",
+                initializer=select_device,
+                initargs=(self.device,),
+            )
+            if self.asynchronous is not None
+            else None
         )
         self._task: asyncio.Task[None] | None = None
         self.error: str | None = None
@@ -89,12 +124,31 @@ class DeviceWorker:
     def alive(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    @property
+    def running(self) -> tuple[float, int] | None:
+        """(taken at, size) of the oldest batch in flight; None when idle."""
+        if not self._inflight:
+            return None
+        oldest = self._inflight[0]
+        return oldest.taken_at, len(oldest.items)
+
+    @property
+    def in_flight(self) -> int:
+        """Images taken from the queue and not yet answered."""
+        return sum(len(batch.items) for batch in self._inflight)
+
     def remaining_s(self, now: float) -> float:
-        """Estimated seconds until the batch computing now finishes; 0 when idle."""
-        if self.running is None:
-            return 0.0
-        started, size = self.running
-        return max(started + self.cost.seconds(size) - now, 0.0)
+        """Estimated seconds until every batch in flight is done; 0 when idle. The device runs
+        them one after another, each for its device time, from when it was taken or when the
+        one before it ends, whichever is later."""
+        end = self._last_done
+        for batch in self._inflight:
+            end = max(end, batch.taken_at) + self.cost.seconds(len(batch.items))
+        return max(end - now, 0.0)
+
+    def _batch_seconds(self, n: int) -> float:
+        """When a batch of n taken now would finish: after the batches ahead of it."""
+        return self.remaining_s(time.perf_counter()) + self.cost.seconds(n)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name=f"{self.kind}-worker-{self.device}")
@@ -112,91 +166,193 @@ class DeviceWorker:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._waiter is not None:  # it may still be waiting on a batch nobody needs now
+            self._waiter.shutdown(wait=False, cancel_futures=True)
         if self._owns_thread:
             self._thread.shutdown(wait=True)
 
     async def _loop(self) -> None:
+        slots = asyncio.Semaphore(self.depth)
+        launched: asyncio.Queue[_Batch] = asyncio.Queue()
+        tasks = (
+            asyncio.create_task(self._feed(slots, launched), name=f"feed-{self.device}"),
+            asyncio.create_task(self._finish(slots, launched), name=f"finish-{self.device}"),
+        )
+        why = NotReady("server is shutting down")
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # neither returns: raise what ended it
+            raise RuntimeError("device worker task ended")  # pragma: no cover
+        except ExecutorFatal:
+            why = NotReady(_LOST)
+            raise
+        except Exception:
+            why = NotReady("the device worker stopped before this image was computed; retry")
+            raise
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._abandon(why)
+
+    def _abandon(self, error: ClipserveError) -> None:
+        """Answer every item still in flight: stop() or a lost device must not strand them."""
+        while self._inflight:
+            for item in self._inflight.popleft().items:
+                if not item.future.done():
+                    item.future.set_exception(error)
+
+    async def _feed(self, slots: asyncio.Semaphore, launched: asyncio.Queue[_Batch]) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            batch = await self.queue.take(self.max_batch_size, self.max_delay_s, self.cost.seconds)
-            await self._run(batch)
+            await slots.acquire()
+            items = await self.queue.take(
+                self.max_batch_size, self.max_delay_s, self._batch_seconds
+            )
+            batch = self._take(items)
+            if self.asynchronous is None:
+                batch.outcome = await self._compute_on_thread(batch, None)
+            else:
+                try:
+                    batch.launched, batch.launched_at = await loop.run_in_executor(
+                        self._thread, self._launch, batch
+                    )
+                except Exception as exc:  # out of memory, for one: bisect it synchronously
+                    batch.error = exc
+            launched.put_nowait(batch)
+
+    def _take(self, items: list[WorkItem]) -> _Batch:
+        started = time.perf_counter()
+        for item in items:
+            item.started_at = started
+            item.ticket.release(1)
+        batch = _Batch(items, started, np.array([item.normalize for item in items]))
+        self._inflight.append(batch)
+        return batch
+
+    def _launch(self, batch: _Batch) -> tuple[object, float]:
+        """On the device thread: returns once the batch is queued on the device."""
+        assert self.asynchronous is not None
+        handle = self.asynchronous.launch([item.array for item in batch.items], batch.mask)
+        return handle, time.perf_counter()
+
+    def _wait(self, handle: object, size: int) -> tuple[np.ndarray, float]:
+        """On the completion thread: the batch's rows, and when they were back."""
+        assert self.asynchronous is not None
+        out = self.asynchronous.wait(handle)
+        done = time.perf_counter()
+        _check_shape(out, size)
+        return out, done
+
+    async def _finish(self, slots: asyncio.Semaphore, launched: asyncio.Queue[_Batch]) -> None:
+        while True:
+            batch = await launched.get()
+            outcome = batch.outcome or await self._collect(batch)
+            self._settle(batch, outcome)
+            self._inflight.remove(batch)
+            slots.release()
+            if outcome.fatal is not None:
+                raise outcome.fatal  # ends this worker; /readyz reports it
+
+    async def _collect(self, batch: _Batch) -> Outcome:
+        """The rows of a launched batch; a batch that failed is bisected through `run`."""
+        if batch.error is None:
+            loop = asyncio.get_running_loop()
+            try:
+                out, done = await loop.run_in_executor(
+                    self._waiter, self._wait, batch.launched, len(batch.items)
+                )
+            except Exception as exc:
+                batch.error = exc
+            else:
+                # Device time, not latency: the batch could start only once launched and once
+                # the batch before it was done. Throughput per batch is what admission needs.
+                device_s = done - max(batch.launched_at, self._last_done)
+                self._last_done = done
+                return Outcome(_rows(np.asarray(out, dtype=np.float32)), device_s=device_s)
+        return await self._compute_on_thread(batch, batch.error)
+
+    async def _compute_on_thread(self, batch: _Batch, failed: Exception | None) -> Outcome:
+        loop = asyncio.get_running_loop()
+        arrays = [item.array for item in batch.items]
+        try:
+            outcome = await loop.run_in_executor(
+                self._thread, self._compute, arrays, batch.mask, failed
+            )
+        except Exception as exc:  # not from the executor (the thread pool itself): fail all
+            return Outcome([ExecutorFailed("internal error") for _ in arrays], errors=[exc])
+        self._last_done = time.perf_counter()
+        return outcome
 
     def _forward(self, batch: np.ndarray, mask: np.ndarray) -> np.ndarray:
         out = self.executor.run(batch)
-        if out.ndim != 2 or out.shape[0] != len(batch):
-            raise RuntimeError(f"executor returned shape {out.shape} for {len(batch)} images")
+        _check_shape(out, len(batch))
         return l2_normalise_rows(np.asarray(out, dtype=np.float32), mask)
 
-    def _compute(self, arrays: list[np.ndarray], mask: np.ndarray) -> Outcome:
+    def _compute(
+        self, arrays: list[np.ndarray], mask: np.ndarray, failed: Exception | None = None
+    ) -> Outcome:
         """Runs on the device thread: stacking, the forward pass and L2 normalisation; a failing
-        batch is bisected so that only the items that fail on their own are answered 500."""
+        batch is bisected so that only the items that fail on their own are answered 500.
+        `failed`: the batch already failed whole (launched asynchronously); start by splitting."""
+        t0 = time.perf_counter()
         outcome = Outcome([ExecutorFailed("internal error") for _ in arrays])
-        self._bisect(np.stack(arrays), mask, 0, outcome, depth=0)
+        if isinstance(failed, ExecutorFatal):
+            outcome.fatal = failed
+            failed = None
+        self._bisect(np.stack(arrays), mask, 0, outcome, 0, failed)
+        outcome.device_s = time.perf_counter() - t0
         return outcome
 
     def _bisect(
-        self, batch: np.ndarray, mask: np.ndarray, offset: int, outcome: Outcome, depth: int
+        self,
+        batch: np.ndarray,
+        mask: np.ndarray,
+        offset: int,
+        outcome: Outcome,
+        depth: int,
+        failed: Exception | None = None,
     ) -> None:
         out: np.ndarray | None = None
-        if outcome.fatal is None:
+        if outcome.fatal is None and failed is None:
             try:
                 out = self._forward(batch, mask)
             except ExecutorFatal as exc:
                 outcome.fatal = exc
             except Exception as exc:  # CUDA out-of-memory included: smaller batches may fit
-                if len(batch) == 1 or depth >= MAX_SPLIT_DEPTH:
-                    outcome.errors.append(exc)
-                    return
-        if (
-            outcome.fatal is not None
-        ):  # the device is gone: what it did not compute may go elsewhere
-            outcome.rows[offset : offset + len(batch)] = [
-                NotReady("the device was lost before this image was computed; retry") for _ in batch
-            ]
+                failed = exc
+        if outcome.fatal is not None:  # the device is gone: the rest may be computed elsewhere
+            outcome.rows[offset : offset + len(batch)] = [NotReady(_LOST) for _ in batch]
             return
         if out is None:  # split outside the handler, so tracebacks do not chain
+            assert failed is not None
+            if len(batch) == 1 or depth >= MAX_SPLIT_DEPTH:
+                outcome.errors.append(failed)
+                return
             mid = len(batch) // 2
             outcome.retries += 2
             self._bisect(batch[:mid], mask[:mid], offset, outcome, depth + 1)
             self._bisect(batch[mid:], mask[mid:], offset + mid, outcome, depth + 1)
             return
-        rows: list[np.ndarray | ClipserveError] = list(out)
-        for i in np.flatnonzero(~np.isfinite(out).all(axis=1)):  # only these rows fail
-            rows[i] = NonFiniteEmbedding(
-                "the model produced non-finite values (NaN or infinity) for this input"
-            )
+        rows = _rows(out)
         outcome.rows[offset : offset + len(rows)] = rows
 
-    async def _run(self, batch: list[WorkItem]) -> None:
-        loop = asyncio.get_running_loop()
-        started = time.perf_counter()
-        self.running = (started, len(batch))
-        for item in batch:
-            item.started_at = started
-            item.ticket.release(1)
-        mask = np.array([item.normalize for item in batch])
-        try:
-            outcome = await loop.run_in_executor(
-                self._thread, self._compute, [item.array for item in batch], mask
-            )
-        except Exception as exc:  # not from the executor (the thread pool itself): fail all
-            outcome = Outcome([ExecutorFailed("internal error") for _ in batch], errors=[exc])
-        except asyncio.CancelledError:  # stop() while computing: answer, do not strand them
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(NotReady("server is shutting down"))
-            raise
-        finally:
-            self.running = None
+    def _settle(self, batch: _Batch, outcome: Outcome) -> None:
+        """Metrics, the cost model and every item's answer, on the loop."""
         finished = time.perf_counter()
+        size = len(batch.items)
         computed = sum(1 for row in outcome.rows if isinstance(row, np.ndarray))
+        if self.kind == "image":
+            self.metrics.device_busy.labels(self.device).inc(max(outcome.device_s, 0.0))
         if outcome.clean:
-            self.cost.observe(len(batch), finished - started)
-            self.metrics.observe_batch(self.device, len(batch), finished - started, self.kind)
+            self.cost.observe(size, outcome.device_s)
+            self.metrics.observe_batch(self.device, size, outcome.device_s, self.kind)
         else:
             self.metrics.count_items(computed, self.kind)
             self.metrics.batch_retries.labels(self.device).inc(outcome.retries)
-            self._log_failure(batch, outcome)
-        for item, row in zip(batch, outcome.rows, strict=True):
+            self._log_failure(batch.items, outcome)
+        for item, row in zip(batch.items, outcome.rows, strict=True):
             item.finished_at = finished
             if item.future.done():
                 continue
@@ -204,8 +360,6 @@ class DeviceWorker:
                 item.future.set_result(row)
             else:
                 item.future.set_exception(row)
-        if outcome.fatal is not None:
-            raise outcome.fatal  # ends this worker; /readyz reports it
 
     def _log_failure(self, batch: list[WorkItem], outcome: Outcome) -> None:
         if not outcome.errors and outcome.fatal is None:
@@ -226,3 +380,18 @@ class DeviceWorker:
             ", ".join(failed),
             exc_info=error,
         )
+
+
+def _check_shape(out: np.ndarray, size: int) -> None:
+    if out.ndim != 2 or out.shape[0] != size:
+        raise RuntimeError(f"executor returned shape {out.shape} for {size} images")
+
+
+def _rows(out: np.ndarray) -> list[np.ndarray | ClipserveError]:
+    """One row per item; a row with NaN or infinity fails only its own item."""
+    rows: list[np.ndarray | ClipserveError] = list(out)
+    for i in np.flatnonzero(~np.isfinite(out).all(axis=1)):
+        rows[i] = NonFiniteEmbedding(
+            "the model produced non-finite values (NaN or infinity) for this input"
+        )
+    return rows

@@ -1,0 +1,279 @@
+"""The front end's side of the control channel: towers that admit and run in the engine.
+
+`RemoteTower` has what the pipeline and the probes use of a Batcher (`reserve`, `run`,
+`alive`, `workers`, `depth`); the batching itself happens once, in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from clipserve.batching import Completed
+from clipserve.config import ServerConfig, resolve_workers
+from clipserve.engine import wire
+from clipserve.engine.slots import SlotArena, segment_path
+from clipserve.errors import NotReady, Overloaded
+from clipserve.model import LoadedModel
+from clipserve.preprocess import ImageDecoder, PreprocessSpec
+from clipserve.towers import WorkerStatus, worker_statuses
+
+log = logging.getLogger(__name__)
+RECONNECT_S = 0.2
+ENGINE_GONE = "the engine process is not available; retry"
+
+
+def slot_bytes(card: dict[str, Any]) -> int:
+    """The largest item either way: a float32 CHW image, a row of tokens, an embedding."""
+    h, w = card["preprocess"]["size"]
+    return max(3 * int(h) * int(w) * 4, int(card["context_length"]) * 8, int(card["embed_dim"]) * 4)
+
+
+def slot_count(config: ServerConfig) -> int:
+    """Enough for every item this front end can hold: both towers' queues full, plus the
+    batches computing (items leave the admission budget as they start, not as they finish)."""
+    b = config.batching
+    return 2 * b.max_queue_size + 4 * b.max_batch_size
+
+
+@dataclass
+class FrontRuntime:
+    """What a front end knows of the model: enough to parse, decode and tokenise, no weights."""
+
+    model: LoadedModel
+    backend: str
+    devices: list[str]
+    precision: str
+    decoder: ImageDecoder
+    workers: int  # front-end processes sharing the host's cores
+
+    @classmethod
+    def from_card(cls, card: dict[str, Any], config: ServerConfig) -> FrontRuntime:
+        import open_clip
+
+        from clipserve.model import resolve_name
+
+        pre = card["preprocess"]
+        spec = PreprocessSpec(
+            size=(int(pre["size"][0]), int(pre["size"][1])),
+            mean=tuple(pre["mean"]),  # type: ignore[arg-type]
+            std=tuple(pre["std"]),  # type: ignore[arg-type]
+            interpolation=pre["interpolation"],
+            resize_mode=pre["resize_mode"],
+        )
+        resolve_name(config.model.model)  # registers a JSON config, as the engine did
+        model = LoadedModel(
+            None, card["name"], card["weights_id"], spec, int(card["embed_dim"]),
+            open_clip.get_tokenizer(card["name"]), int(card["context_length"]),
+        )  # fmt: skip
+        decoder = ImageDecoder.from_limits(spec, config.limits)
+        return cls(model, card["backend"], list(card["devices"]), card["precision"], decoder,
+                   config.http.workers)  # fmt: skip
+
+    def tokenize(self, texts: list[str]) -> np.ndarray:
+        return self.model.tokenize(texts)
+
+    def decode_workers(self, requested: int) -> int:
+        """0 = auto: this process's share of the cores when a GPU computes; one thread with CPU
+        inference, which needs the cores itself."""
+        if requested:
+            return requested
+        on_cpu = all(d == "cpu" for d in self.devices)
+        return 1 if on_cpu else max(1, resolve_workers(0) // self.workers)
+
+
+@dataclass(eq=False)
+class _Pending:
+    future: asyncio.Future[Any]
+    slots: list[int]
+
+
+class EngineLink:
+    """One connection to the engine, reconnecting after the engine restarts. Every `admit`
+    and `run` gets one answer; a run's slots are free again only once it has come."""
+
+    def __init__(self, socket_path: str, config: ServerConfig, card: dict[str, Any]) -> None:
+        self.socket_path = socket_path
+        self.card = card
+        self.status: dict[str, Any] = {
+            "towers": {}, "depth": {"image": 0, "text": 0}, "wait_s": 0.0, "memory": {},
+        }  # fmt: skip
+        self.arena = SlotArena(
+            segment_path(os.getppid(), os.getpid()), slot_count(config), slot_bytes(card),
+            create=True,
+        )  # fmt: skip
+        self.connected = False
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[int, _Pending] = {}
+        self._ids = 0
+        self._task: asyncio.Task[None] | None = None
+        self._first = asyncio.get_running_loop().create_future()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The engine's last pushed status; every worker dead while it is not connected."""
+        if self.connected:
+            return self.status
+        towers = {k: [[d, False, ENGINE_GONE] for d, _, _ in ws]
+                  for k, ws in self.status["towers"].items()}  # fmt: skip
+        return {**self.status, "towers": towers}
+
+    async def start(self, timeout_s: float) -> None:
+        """Connect (the engine is up before front ends start), keep reconnecting after."""
+        self._task = asyncio.create_task(self._maintain())
+        async with asyncio.timeout(timeout_s):
+            await asyncio.shield(self._first)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.arena.close(unlink=True)
+
+    async def _maintain(self) -> None:
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(self.socket_path)
+            except OSError:
+                await asyncio.sleep(RECONNECT_S)
+                continue
+            self._writer = writer
+            writer.write(wire.frame({
+                "t": "hello", "pid": os.getpid(), "path": str(self.arena.path),
+                "count": self.arena.count, "slot_bytes": self.arena.slot_bytes,
+            }))  # fmt: skip
+            try:
+                while True:
+                    self._on_frame(await wire.read_frame(reader))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                log.error("lost the engine process; answering 503 until it is back")
+            finally:
+                self._lost()
+                writer.close()
+            await asyncio.sleep(RECONNECT_S)
+
+    def _lost(self) -> None:
+        self.connected = False
+        self._writer = None
+        pending, self._pending = self._pending, {}
+        for entry in pending.values():  # the engine is gone: nobody reads or writes the slots
+            self.arena.give_back(entry.slots)
+            if not entry.future.done():
+                entry.future.set_exception(NotReady(ENGINE_GONE))
+
+    def _on_frame(self, msg: dict[str, Any]) -> None:
+        kind = msg.get("t")
+        if kind == "status":
+            self.status = msg
+            return
+        if kind == "card":
+            self.status, self.connected = msg, True
+            if not self._first.done():
+                self._first.set_result(None)
+            return
+        entry = self._pending.pop(msg.get("id", -1), None)
+        if entry is None:
+            return
+        if kind == "ok" and entry.future.cancelled():  # admitted for a request gone since
+            self.send({"t": "release", "id": msg["id"]})
+        elif kind == "done" and not entry.future.done():
+            dim = int(msg["dim"])
+            rows = np.stack([self.arena.view(s, "<f4", (dim,)) for s in entry.slots])
+            entry.future.set_result(Completed(rows, msg["queue_s"], msg["compute_s"]))
+        elif kind == "error" and not entry.future.done():
+            entry.future.set_exception(wire.decode_error(msg["error"]))
+        elif not entry.future.done():
+            entry.future.set_result(None)
+        self.arena.give_back(entry.slots)  # the engine answered: it is done with them
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(wire.frame(message))
+
+    def next_id(self) -> int:
+        self._ids += 1
+        return self._ids
+
+    def expect(self, rid: int, slots: list[int] | None = None) -> asyncio.Future[Any]:
+        """Register for the one answer to `rid`; the slots are given back when it comes."""
+        if not self.connected:
+            if slots:
+                self.arena.give_back(slots)
+            raise NotReady(ENGINE_GONE)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[rid] = _Pending(future, slots or [])
+        return future
+
+
+class RemoteTicket:
+    """An admission held in the engine. Released there when its run starts; `release_all`
+    gives it back if the request ends before (a decode failed, the client went away)."""
+
+    def __init__(self, link: EngineLink, rid: int) -> None:
+        self.link = link
+        self.id = rid
+        self.settled = False
+
+    def release_all(self) -> None:
+        if not self.settled:
+            self.settled = True
+            self.link.send({"t": "release", "id": self.id})
+
+
+class RemoteTower:
+    def __init__(self, link: EngineLink, kind: str) -> None:
+        self.link = link
+        self.kind = kind
+
+    @property
+    def workers(self) -> list[WorkerStatus]:
+        if not self.link.connected:
+            return [WorkerStatus("engine", self.kind, False, "engine process not connected")]
+        return worker_statuses(self.link.status, self.kind)
+
+    @property
+    def alive(self) -> bool:
+        return any(w.alive for w in self.workers)
+
+    def depth(self) -> int:
+        return int(self.link.status["depth"].get(self.kind, 0))
+
+    async def reserve(self, n: int, deadline: float) -> RemoteTicket:
+        rid = self.link.next_id()
+        future = self.link.expect(rid)
+        self.link.send({"t": "admit", "id": rid, "tower": self.kind, "n": n,
+                        "wait_s": deadline - time.perf_counter()})  # fmt: skip
+        await future
+        return RemoteTicket(self.link, rid)
+
+    async def run(
+        self, ticket: RemoteTicket, arrays: Sequence[np.ndarray], *, normalize: bool,
+        request_id: str,
+    ) -> Completed:  # fmt: skip
+        first = arrays[0]
+        if any(a.shape != first.shape or a.dtype != first.dtype for a in arrays):
+            raise ValueError("a request's items must share one shape and dtype")
+        slots = self.link.arena.take(len(arrays))
+        if slots is None:
+            raise Overloaded("this front end's shared-memory slots are all in use; retry later")
+        for slot, array in zip(slots, arrays, strict=True):
+            self.link.arena.write(slot, array)
+        future = self.link.expect(ticket.id, slots)
+        ticket.settled = True  # the engine releases the admission as the items start
+        self.link.send({
+            "t": "run", "id": ticket.id, "tower": self.kind, "slots": slots,
+            "dtype": first.dtype.str, "shape": list(first.shape), "normalize": normalize,
+            "rid": request_id,
+        })  # fmt: skip
+        try:
+            completed: Completed = await future
+        except asyncio.CancelledError:
+            self.link.send({"t": "cancel", "id": ticket.id})  # slots free once it answers
+            raise
+        return completed

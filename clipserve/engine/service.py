@@ -1,0 +1,259 @@
+"""The engine process: the model, the towers' Batchers and the device workers, serving front
+ends over the control channel. Admission is global because it happens here, once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from clipserve.batching import Batcher, Ticket
+from clipserve.config import ServerConfig
+from clipserve.engine import wire
+from clipserve.engine.slots import SlotArena
+from clipserve.errors import ClipserveError, ExecutorFailed, NotReady, StartupError
+from clipserve.metrics import Metrics
+from clipserve.runtime import Runtime
+from clipserve.towers import Towers
+
+log = logging.getLogger(__name__)
+STATUS_INTERVAL_S = 0.25
+
+
+def model_card(runtime: Runtime) -> dict[str, Any]:
+    """What a front end needs to know of the model to parse, decode and tokenise for it."""
+    model, spec = runtime.model, runtime.model.preprocess
+    return {
+        "name": model.name,
+        "weights_id": model.weights_id,
+        "embed_dim": model.embed_dim,
+        "context_length": model.context_length,
+        "preprocess": {
+            "size": list(spec.size),
+            "mean": list(spec.mean),
+            "std": list(spec.std),
+            "interpolation": spec.interpolation,
+            "resize_mode": spec.resize_mode,
+        },
+        "backend": runtime.backend,
+        "devices": runtime.devices,
+        "precision": runtime.precision,
+    }
+
+
+@dataclass(eq=False)
+class FrontEnd:
+    """One connected front end: its slots, the admissions it holds and the runs under way."""
+
+    writer: asyncio.StreamWriter
+    handler: asyncio.Task[Any] | None = None
+    arena: SlotArena | None = None
+    pid: int = 0
+    tickets: dict[int, Ticket] = field(default_factory=dict)
+    runs: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+
+    def send(self, message: dict[str, Any]) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(wire.frame(message))
+
+
+class EngineService:
+    def __init__(self, config: ServerConfig, runtime: Runtime, metrics: Metrics) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.metrics = metrics
+        self.front_ends: set[FrontEnd] = set()
+        self._none_connected = asyncio.Event()
+        self._none_connected.set()
+        self.towers: Towers | None = None
+
+    def _batcher(self, tower: object) -> Batcher:
+        assert self.towers is not None
+        if tower == "image":
+            return self.towers.image
+        if tower == "text":
+            return self.towers.text
+        raise ValueError(f"unknown tower {tower!r}")
+
+    async def serve(self, socket_path: Path, on_ready: Any, stop: asyncio.Event) -> None:
+        self.towers = Towers.build(self.runtime, self.config, self.metrics)
+        self.towers.start()
+        await asyncio.to_thread(socket_path.unlink, missing_ok=True)  # a dead engine's
+        server = await asyncio.start_unix_server(self._connection, path=str(socket_path))
+        pusher = asyncio.create_task(self._push_status())
+        log.info(
+            "engine serving %s with %s on %s", self.runtime.model.identity, self.runtime.backend,
+            ", ".join(self.runtime.devices),
+        )  # fmt: skip
+        gc.freeze()  # as in the app: startup's objects out of the collector's sight
+        on_ready()
+        try:
+            await stop.wait()
+        finally:
+            pusher.cancel()
+            server.close()
+            handlers = [f.handler for f in self.front_ends if f.handler is not None]
+            for front in list(self.front_ends):
+                front.writer.close()  # its handler sees the end of stream and drops it
+            await asyncio.gather(*handlers, return_exceptions=True)
+            await self.towers.stop()
+
+    async def drain(self, stop: asyncio.Event, timeout_s: float) -> None:
+        """On SIGTERM: stop once the front ends, draining their own requests through this
+        engine, have gone (the supervisor stops them first; a SIGTERM sent to the whole group,
+        as systemd does, must not take the engine from under them), or after `timeout_s`."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._none_connected.wait()
+        stop.set()
+
+    async def _push_status(self) -> None:
+        assert self.towers is not None
+        while True:
+            await asyncio.sleep(STATUS_INTERVAL_S)
+            if self.front_ends:
+                status = {"t": "status", **self.towers.status()}
+                for front in self.front_ends:
+                    front.send(status)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        front = FrontEnd(writer, asyncio.current_task())
+        self.front_ends.add(front)
+        self._none_connected.clear()
+        try:
+            while True:
+                self._dispatch(front, await wire.read_frame(reader))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the front end exited or was killed: what it had under way is dropped
+        except Exception:
+            log.exception("control channel from front end %d broke", front.pid)
+        finally:
+            self._drop(front)
+            writer.close()
+
+    def _drop(self, front: FrontEnd) -> None:
+        """Cancel a gone front end's runs (its queued items leave the queue) and give back its
+        admissions; its slot file is the supervisor's to remove."""
+        self.front_ends.discard(front)
+        if not self.front_ends:
+            self._none_connected.set()
+        for task in front.runs.values():
+            task.cancel()
+        for ticket in front.tickets.values():
+            ticket.release_all()
+        front.tickets.clear()
+        if front.runs or front.arena is not None:
+            log.info("front end %d gone: %d runs cancelled", front.pid, len(front.runs))
+        front.arena = None  # unmapped once the last item view is gone
+
+    def _dispatch(self, front: FrontEnd, msg: dict[str, Any]) -> None:
+        kind, rid = msg.get("t"), int(msg.get("id", 0))
+        if kind == "admit":
+            try:
+                deadline = time.perf_counter() + float(msg["wait_s"])
+                front.tickets[rid] = self._batcher(msg["tower"]).admit(int(msg["n"]), deadline)
+            except ClipserveError as e:
+                front.send({"t": "error", "id": rid, "error": wire.encode_error(e)})
+            else:
+                front.send({"t": "ok", "id": rid})
+        elif kind == "run":
+            ticket = front.tickets.pop(rid, None)
+            if ticket is None or front.arena is None:
+                error = NotReady("engine has no admission for this request; retry")
+                front.send({"t": "error", "id": rid, "error": wire.encode_error(error)})
+                return
+            front.runs[rid] = asyncio.create_task(self._run(front, front.arena, ticket, msg))
+        elif kind == "release":
+            ticket = front.tickets.pop(rid, None)
+            if ticket is not None:
+                ticket.release_all()
+        elif kind == "cancel":
+            task = front.runs.get(rid)
+            if task is not None:
+                task.cancel()
+        elif kind == "hello":
+            front.pid = int(msg["pid"])
+            front.arena = SlotArena(
+                Path(msg["path"]), int(msg["count"]), int(msg["slot_bytes"]), create=False
+            )
+            assert self.towers is not None
+            front.send({"t": "card", **model_card(self.runtime), **self.towers.status()})
+        else:
+            raise ValueError(f"unknown control frame {kind!r}")
+
+    async def _run(
+        self, front: FrontEnd, arena: SlotArena, ticket: Ticket, msg: dict[str, Any]
+    ) -> None:
+        rid, slots = msg["id"], msg["slots"]
+        reply: dict[str, Any]
+        try:
+            shape, dtype = tuple(msg["shape"]), msg["dtype"]
+            arrays = [arena.view(slot, dtype, shape) for slot in slots]
+            completed = await self._batcher(msg["tower"]).run(
+                ticket, arrays, normalize=bool(msg["normalize"]), request_id=str(msg["rid"])
+            )
+            rows = completed.embeddings
+            for slot, row in zip(slots, rows, strict=True):
+                arena.write(slot, row)
+            reply = {"t": "done", "id": rid, "dim": int(rows.shape[1]),
+                     "queue_s": completed.queue_s, "compute_s": completed.compute_s}  # fmt: skip
+        except asyncio.CancelledError:
+            reply = {"t": "error", "id": rid, "error": {"cls": "NotReady", "message": "cancelled"}}
+        except ClipserveError as e:
+            reply = {"t": "error", "id": rid, "error": wire.encode_error(e)}
+        except Exception:
+            log.exception("run %s from front end %d failed", msg.get("rid"), front.pid)
+            reply = {"t": "error", "id": rid, "error": wire.encode_error(ExecutorFailed(""))}
+        finally:
+            ticket.release_all()
+            front.runs.pop(rid, None)
+        front.send(reply)  # after the last write into its slots: the front end may reuse them
+
+
+def engine_main(
+    config: ServerConfig, socket_path: str, ready: Connection, supervisor_pid: int
+) -> None:
+    """The engine process's entry: build, warm up, tell the supervisor, serve until SIGTERM."""
+    from clipserve.cli import configure_logging
+    from clipserve.engine.supervisor import watch_parent
+    from clipserve.runtime import build_runtime
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the
+    # supervisor drains the front ends first, then stops the engine with SIGTERM.
+    configure_logging(config.http.log_level, role="engine")
+    watch_parent(supervisor_pid)
+    try:
+        runtime = build_runtime(config)
+    except StartupError as e:
+        ready.send(("error", str(e)))
+        os._exit(2)
+    try:
+        card = model_card(runtime)
+
+        async def main() -> None:
+            stop = asyncio.Event()
+            service = EngineService(config, runtime, Metrics())
+            draining: set[asyncio.Task[None]] = set()
+
+            def on_sigterm() -> None:
+                if not draining:
+                    drain_s = config.http.drain_timeout_s + 10.0
+                    draining.add(asyncio.create_task(service.drain(stop, drain_s)))
+
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
+            await service.serve(Path(socket_path), lambda: ready.send(("ready", card)), stop)
+
+        asyncio.run(main())
+    finally:
+        with contextlib.suppress(Exception):
+            runtime.close()
+        logging.shutdown()
+        os._exit(0)  # skips interpreter teardown: extension modules' exit-time noise

@@ -1,0 +1,262 @@
+"""The process tree behind `--workers N`: one engine, N front ends, restarts, drain, cleanup.
+
+The supervisor computes nothing and holds no sockets a client could reach. It starts the engine
+and waits until it has warmed up (a startup error is the CLI's one line and exit 2), then the
+front ends, each binding the port with SO_REUSEPORT so the kernel spreads connections over
+them. A front end that dies is restarted and its slot file removed; the engine cancels its
+requests when its control connection closes. An engine that dies is restarted too; meanwhile
+every front end answers 503 and its probes fail. SIGTERM (or SIGINT) drains the front ends
+first, then stops the engine, then removes the slot files, the socket and the metrics files.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+from clipserve.config import ServerConfig
+from clipserve.engine.slots import remove_segments
+from clipserve.errors import StartupError
+
+log = logging.getLogger("clipserve.supervisor")
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+ENGINE_START_TIMEOUT_S = 600.0  # loading and warming up a model (a TensorRT build included)
+FRONTEND_START_TIMEOUT_S = 60.0
+BACKOFF_MAX_S = 10.0
+
+
+def watch_parent(parent_pid: int) -> None:
+    """If the supervisor dies (even by SIGKILL), this process drains and exits rather than
+    serve on unsupervised."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="clipserve-parent-watch", daemon=True).start()
+
+
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """Bound, not listening: uvicorn listens once the app has started, so the kernel sends a
+    (re)starting front end no connection before it can answer them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def frontend_main(
+    config: ServerConfig, socket_path: str, card: dict[str, Any], index: int, parent: int
+) -> None:
+    """A front end's entry: the same app and uvicorn settings as one process, its towers
+    remote, its listening socket one of the port's SO_REUSEPORT group."""
+    from clipserve.app import create_app
+    from clipserve.cli import configure_logging, draining_server
+    from clipserve.http_server import build_uvicorn_config, ensure_fd_limit
+
+    configure_logging(config.http.log_level, role=f"frontend {index}")
+    watch_parent(parent)
+    app = create_app(config, engine=(socket_path, card))
+    ensure_fd_limit(config.http.max_connections)
+    sock = reuseport_socket(config.http.host, config.http.port)
+    server = draining_server(build_uvicorn_config(app, config.http))
+    server.run(sockets=[sock])
+    logging.shutdown()
+    os._exit(0)  # skips interpreter teardown: extension modules' exit-time noise
+
+
+@dataclass
+class Child:
+    name: str
+    process: BaseProcess
+    started: float = field(default_factory=time.monotonic)
+    failures: int = 0  # consecutive quick deaths, for the restart backoff
+    restart_at: float | None = None
+
+    def backoff_s(self) -> float:
+        return min(BACKOFF_MAX_S, 0.5 * 2.0 ** max(self.failures - 1, 0))
+
+
+class Supervisor:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.ctx = multiprocessing.get_context("spawn")
+        self.pid = os.getpid()
+        self.tmp = Path(tempfile.mkdtemp(prefix="clipserve-"))
+        self.socket_path = str(self.tmp / "engine.sock")
+        self.card: dict[str, Any] = {}
+        self.engine: Child | None = None
+        self.engine_ready: Connection | None = None
+        self.front: list[Child | None] = [None] * config.http.workers
+        self.stopping = False
+        self._own_metrics_dir = MULTIPROC_ENV not in os.environ
+
+    def run(self) -> int:
+        self._metrics_dir()
+        self._check_port()
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self._start_engine()
+            self._wait_engine_ready()
+            for index in range(len(self.front)):
+                self._start_front(index)
+            log.info("serving on http://%s:%d with %d front ends and one engine (pid %d)",
+                     self.config.http.host, self.config.http.port, len(self.front),
+                     self.engine.process.pid if self.engine else 0)  # fmt: skip
+            self._monitor()
+            return 0
+        finally:
+            self._shutdown()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self.stopping:
+            log.info("%s: draining the front ends, then the engine",
+                     signal.Signals(signum).name)  # fmt: skip
+        self.stopping = True
+
+    def _metrics_dir(self) -> None:
+        """Prometheus multiprocess mode: every process writes its values under one directory,
+        emptied at startup; each front end's /metrics sums them."""
+        if self._own_metrics_dir:
+            path = self.tmp / "metrics"
+            path.mkdir()
+            os.environ[MULTIPROC_ENV] = str(path)
+            return
+        for stale in Path(os.environ[MULTIPROC_ENV]).glob("*.db"):
+            stale.unlink()
+
+    def _check_port(self) -> None:
+        """Fail at once, as one process would, when the port is taken (the probe is closed
+        before any front end binds, so it never receives a connection)."""
+        try:
+            reuseport_socket(self.config.http.host, self.config.http.port).close()
+        except OSError as e:
+            raise StartupError(
+                f"--host/--port: cannot listen on {self.config.http.host}:"
+                f"{self.config.http.port} ({e.strerror})"
+            ) from None
+
+    def _start_engine(self) -> None:
+        from clipserve.engine.service import engine_main
+
+        receive, send = self.ctx.Pipe(duplex=False)
+        process = self.ctx.Process(
+            target=engine_main, name="clipserve-engine",
+            args=(self.config, self.socket_path, send, self.pid),
+        )  # fmt: skip
+        process.start()
+        send.close()
+        failures = self.engine.failures if self.engine else 0
+        self.engine = Child("engine", process, failures=failures)
+        self.engine_ready = receive
+
+    def _wait_engine_ready(self) -> None:
+        assert self.engine is not None and self.engine_ready is not None
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+        while not self.engine_ready.poll(0.2):
+            if not self.engine.process.is_alive():
+                raise StartupError("the engine process exited while starting (see the log)")
+            if time.monotonic() > deadline or self.stopping:
+                raise StartupError("the engine process did not become ready")
+        kind, payload = self.engine_ready.recv()
+        if kind == "error":
+            raise StartupError(payload)
+        self.card = payload
+
+    def _start_front(self, index: int) -> None:
+        process = self.ctx.Process(
+            target=frontend_main, name=f"clipserve-frontend-{index}",
+            args=(self.config, self.socket_path, self.card, index, self.pid),
+        )  # fmt: skip
+        process.start()
+        old = self.front[index]
+        self.front[index] = Child(f"front end {index}", process,
+                                  failures=old.failures if old else 0)  # fmt: skip
+
+    def _monitor(self) -> None:
+        while not self.stopping:
+            children = [c for c in (self.engine, *self.front) if c is not None]
+            wait([c.process.sentinel for c in children if c.restart_at is None], timeout=0.2)
+            now = time.monotonic()
+            for index, child in enumerate(self.front):
+                if child is not None and self._due(child, now):
+                    self._start_front(index)
+            if self.engine is not None and self._due(self.engine, now):
+                self._restart_engine()
+
+    def _due(self, child: Child, now: float) -> bool:
+        """Whether an exited child's restart is due (not while stopping)."""
+        if not self._exited(child, now) or self.stopping:
+            return False
+        return child.restart_at is not None and now >= child.restart_at
+
+    def _exited(self, child: Child, now: float) -> bool:
+        """True once the child has exited; the first time, logs it and schedules its restart."""
+        if child.process.is_alive():
+            return False
+        if child.restart_at is None and not self.stopping:
+            quick = now - child.started < 10.0
+            child.failures = child.failures + 1 if quick else 1
+            child.restart_at = now + (child.backoff_s() if quick else 0.0)
+            log.error("%s (pid %s) exited with %s; restarting it in %.1f s", child.name,
+                      child.process.pid, child.process.exitcode,
+                      child.restart_at - now)  # fmt: skip
+            if child.name != "engine" and child.process.pid is not None:
+                remove_segments(self.pid, child.process.pid)
+        return True
+
+    def _restart_engine(self) -> None:
+        self._start_engine()
+        try:
+            self._wait_engine_ready()
+        except StartupError as e:
+            log.error("the engine did not restart: %s", e)
+            return
+        log.info("engine restarted (pid %s); front ends reconnect",
+                 self.engine.process.pid if self.engine else None)  # fmt: skip
+
+    def _shutdown(self) -> None:
+        """Front ends first (they drain their requests through the engine), then the engine."""
+        self.stopping = True
+        fronts = [c.process for c in self.front if c is not None]
+        _terminate(fronts, self.config.http.drain_timeout_s + 10.0)
+        if self.engine is not None:
+            _terminate([self.engine.process], 30.0)
+        remove_segments(self.pid)
+        if self._own_metrics_dir:
+            os.environ.pop(MULTIPROC_ENV, None)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _terminate(processes: list[BaseProcess], timeout_s: float) -> None:
+    for process in processes:
+        if process.is_alive() and process.pid is not None:
+            os.kill(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(max(deadline - time.monotonic(), 0.0))
+        if process.is_alive():
+            log.error("%s did not stop in %.0f s; killing it", process.name, timeout_s)
+            process.kill()
+            process.join(5.0)
+
+
+def supervise(config: ServerConfig) -> int:
+    return Supervisor(config).run()
