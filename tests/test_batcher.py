@@ -104,17 +104,36 @@ def test_max_batch_size_caps_each_batch() -> None:
     run(test, max_batch_size=4, latency_ms=50)
 
 
-def test_queue_delay_waits_for_a_fuller_batch_but_not_past_the_deadline() -> None:
+def test_queue_delay_waits_for_images_still_decoding_but_not_past_the_delay() -> None:
     async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
+        decoding = batcher.admit(1)  # admitted, its image not decoded yet
         first = asyncio.create_task(submit(batcher, 1))
-        await asyncio.sleep(0.05)
-        await asyncio.gather(first, submit(batcher, 2))
-        assert fakes[0].batches == [2]  # the idle worker waited for the second item
-        assert 0.15 <= loop.time() - t0 < 1.0  # ...until the 200 ms deadline, not longer
+        await asyncio.sleep(0.05)  # ...decoded 50 ms later
+        await asyncio.gather(first, batcher.run(decoding, [image(2)], normalize=False,
+                                                request_id="t"))  # fmt: skip
+        assert fakes[0].batches == [2]  # the idle worker waited for the decoding image
+        t1 = loop.time()
+        late = batcher.admit(1)  # never queued: the worker waits only as long as the delay
+        await submit(batcher, 3)
+        assert fakes[0].batches == [2, 1]
+        assert 0.15 <= loop.time() - t1 < 1.0  # ...the 200 ms delay, not longer
+        late.release_all()
+        assert loop.time() - t0 < 2.0
 
     run(test, delay_ms=200)
+
+
+def test_queue_delay_never_holds_a_lone_request() -> None:
+    async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await submit(batcher, 1)  # nothing else admitted: nothing to wait for
+        assert loop.time() - t0 < 0.5  # far below the 5 s delay
+        assert fakes[0].batches == [1]
+
+    run(test, delay_ms=5000)
 
 
 def test_queue_delay_ends_early_when_the_batch_is_full() -> None:

@@ -217,6 +217,7 @@ def test_admission_is_global(server: Server) -> None:
     held = server.spread(per_front_end=6)
     conns = [c for cs in held.values() for c in cs]
     start = threading.Barrier(len(conns))
+
     def post(i: int) -> tuple[int, dict[str, str]]:
         body = msgpack.packb({"images": [_jpeg(i)] * 8})
         start.wait()

@@ -46,7 +46,10 @@ class Batcher:
     ) -> None:
         self.max_batch_size = config.max_batch_size
         self.admission = Admission(config.max_queue_size)
-        self.queue = BatchQueue(on_expired=metrics.expired_items.labels(kind).inc)
+        self.queue = BatchQueue(
+            on_expired=metrics.expired_items.labels(kind).inc,
+            admitted=lambda: self.admission.used,
+        )
         self.workers = [
             DeviceWorker(
                 ex,

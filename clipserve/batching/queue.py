@@ -81,10 +81,16 @@ def _no_cost(n: int) -> float:
 class BatchQueue:
     """FIFO of work items shared by every device worker of one model."""
 
-    def __init__(self, on_expired: Callable[[int], None] = lambda n: None) -> None:
+    def __init__(
+        self,
+        on_expired: Callable[[int], None] = lambda n: None,
+        admitted: Callable[[], int] = lambda: 0,
+    ) -> None:
         self._items: deque[WorkItem] = deque()
         self._cond = asyncio.Condition()
         self.on_expired = on_expired  # told how many items were dropped for their deadline
+        # Images admitted and not started: those queued here, and those still decoding.
+        self.admitted = admitted
 
     def __len__(self) -> int:
         return len(self._items)
@@ -160,21 +166,30 @@ class BatchQueue:
         self._items = rest
         return batch
 
+    def _coming(self) -> int:
+        """Images admitted that are not queued yet: still being decoded or parsed."""
+        return self.admitted() - self._live()
+
+    def _full_or_none_coming(self, max_n: int) -> bool:
+        return self._live() >= max_n or self._coming() <= 0
+
     async def take(
         self, max_n: int, max_delay_s: float, batch_seconds: Callable[[int], float] = _no_cost
     ) -> list[WorkItem]:
-        """Wait for work; with a delay, wait up to that long after the oldest item for max_n."""
+        """Wait for work. With a delay, a short batch waits up to that long after its oldest
+        item, but only for images already admitted and still decoding: nothing waits for
+        requests that may never come, so a lone request is taken at once at any delay."""
         async with self._cond:
             while True:
                 self._prune()
                 if not self._items:
                     await self._cond.wait()
                     continue
-                if max_delay_s > 0 and self._live() < max_n:
+                if max_delay_s > 0 and not self._full_or_none_coming(max_n):
                     wait_s = self._items[0].enqueued_at + max_delay_s - time.perf_counter()
                     try:
                         async with asyncio.timeout(max(wait_s, 0.0)):
-                            await self._cond.wait_for(lambda: self._live() >= max_n)
+                            await self._cond.wait_for(lambda: self._full_or_none_coming(max_n))
                     except TimeoutError:
                         pass
                 batch = self._pop(max_n, batch_seconds)
