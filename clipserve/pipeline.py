@@ -76,6 +76,8 @@ class WorkerView(Protocol):
 class Ticket(Protocol):
     def release_all(self) -> None: ...
 
+    def absorb(self, other: Any) -> None: ...
+
 
 class Tower(Protocol):
     """One tower's batching: a Batcher here, or the engine's through a RemoteTower."""
@@ -93,6 +95,15 @@ class Tower(Protocol):
     async def run(
         self, ticket: Any, arrays: Sequence[np.ndarray], *, normalize: bool, request_id: str
     ) -> Completed: ...
+
+
+@dataclass
+class Admitted:
+    """A request's places in one tower's queue (see `Pipeline.admitted`)."""
+
+    tower: Tower
+    ticket: Ticket
+    n: int
 
 
 class ClientGone(Exception):
@@ -262,32 +273,62 @@ class Pipeline:
         """CPU work (parsing, decoding, tokenising) goes to the pool, never onto the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.decode_pool, fn, *args)
 
-    async def embed_images(
-        self, work: ImageWork, ctx: RequestContext, *, normalize: bool = True
-    ) -> Completed:
-        """Admit, decode in the pool, batch, wait: the image tower's embeddings, in order."""
-        # Admitted before decoding: the backlog of decoding images is bounded by the queue too.
-        ticket = await self.batcher.reserve(work.count, ctx.deadline)
+    @asynccontextmanager
+    async def admitted(
+        self, tower: Tower, ctx: RequestContext, n: int = 1
+    ) -> AsyncIterator[Admitted]:
+        """Places in `tower`'s queue for the request, held until the block ends: the one owner
+        of the admission (items give theirs back as they start computing). Taken before any
+        CPU work, parsing included, so the backlog in the pool is bounded by the queue too."""
+        held = Admitted(tower, await tower.reserve(n, ctx.deadline), n)
         try:
+            yield held
+        finally:
+            held.ticket.release_all()
+
+    @asynccontextmanager
+    async def _admitted_for(
+        self, tower: Tower, ctx: RequestContext, n: int, held: Admitted | None
+    ) -> AsyncIterator[Any]:
+        if held is None:
+            async with self.admitted(tower, ctx, n) as own:
+                yield own.ticket
+            return
+        if n > held.n:  # the parsed body holds more than was admitted before parsing
+            held.ticket.absorb(await tower.reserve(n - held.n, ctx.deadline))
+            held.n = n
+        yield held.ticket
+
+    async def embed_images(
+        self,
+        work: ImageWork,
+        ctx: RequestContext,
+        *,
+        normalize: bool = True,
+        admitted: Admitted | None = None,
+    ) -> Completed:
+        """Admit (or grow `admitted` to the request's size), decode in the pool, batch, wait:
+        the image tower's embeddings, in order."""
+        async with self._admitted_for(self.batcher, ctx, work.count, admitted) as ticket:
             with ctx.timer.measure("decode"):
                 arrays = await self._images(work)
             return await self._run(self.batcher, ticket, arrays, ctx, normalize)
-        finally:
-            ticket.release_all()  # the one owner of the ticket; items release as they start
 
     async def embed_texts(
-        self, work: TextWork, ctx: RequestContext, *, normalize: bool = True
+        self,
+        work: TextWork,
+        ctx: RequestContext,
+        *,
+        normalize: bool = True,
+        admitted: Admitted | None = None,
     ) -> Completed:
         """Admit, tokenise in the pool, batch, wait: the text tower's embeddings, in order."""
-        ticket = await self.text_batcher.reserve(len(work.texts), ctx.deadline)
-        try:
+        async with self._admitted_for(self.text_batcher, ctx, len(work.texts), admitted) as t:
             with ctx.timer.measure("decode"):
                 tokens = work.tokens
                 if tokens is None:
                     tokens = await self.in_pool(self.runtime.tokenize, work.texts)
-            return await self._run(self.text_batcher, ticket, list(tokens), ctx, normalize)
-        finally:
-            ticket.release_all()
+            return await self._run(self.text_batcher, t, list(tokens), ctx, normalize)
 
     async def _images(self, work: ImageWork) -> Sequence[np.ndarray]:
         if work.tensor is not None:

@@ -8,10 +8,10 @@ from starlette.responses import JSONResponse, Response
 from clipserve import pipeline
 from clipserve.errors import InvalidParameter
 from clipserve.pipeline import ImageWork, Pipeline, TextWork
-from clipserve.protocol.media import media_type, negotiate
-from clipserve.protocol.requests import IMAGE_TYPES, REQUEST_TYPES, check_media_type, parse_body
+from clipserve.protocol.media import negotiate
+from clipserve.protocol.requests import ImageCodec, image_codec
 from clipserve.protocol.responses import RESPONSE_TYPES, encode_embeddings, out_dtype
-from clipserve.protocol.text import TEXT_TYPES, parse_texts
+from clipserve.protocol.text import parse_texts, text_protocol
 
 
 def _flag(request: Request, name: str, default: bool) -> bool:
@@ -26,52 +26,49 @@ def _flag(request: Request, name: str, default: bool) -> bool:
     raise InvalidParameter(f"query parameter {name}={raw[:40]!r}: expected true or false")
 
 
-async def _image_work(p: Pipeline, request: Request, body: bytes) -> ImageWork:
+async def _image_work(p: Pipeline, request: Request, codec: ImageCodec, body: bytes) -> ImageWork:
     headers = request.headers
     tensor_headers = {k: headers[k] for k in ("x-tensor-dtype", "x-tensor-shape") if k in headers}
-    content_type = headers.get("content-type", "")
-    args = (content_type, tensor_headers, body, p.runtime.model.preprocess.size,
-            p.config.limits.max_items_per_request)  # fmt: skip
-    if media_type(content_type) in IMAGE_TYPES:
-        payload = parse_body(*args)  # one encoded image: nothing to parse, no hop to the pool
-    else:
-        payload = await p.in_pool(parse_body, *args)
+    args = (headers.get("content-type", ""), tensor_headers, body,
+            p.runtime.model.preprocess.size, p.config.limits.max_items_per_request)  # fmt: skip
+    payload = codec.parse(*args) if codec.inline else await p.in_pool(codec.parse, *args)
     if payload.tensor is not None:
         return ImageWork(payload.protocol, tensor=payload.tensor)
     return ImageWork(payload.protocol, images=payload.images, single=payload.single)
 
 
-async def _text_work(p: Pipeline, request: Request, body: bytes) -> TextWork:
-    limits = p.config.limits
-    content_type = request.headers.get("content-type", "")
-    texts = await p.in_pool(parse_texts, content_type, body,
-                            limits.max_items_per_request, limits.max_text_chars)  # fmt: skip
-    protocol = "text-json" if media_type(content_type) == "application/json" else "text-msgpack"
-    return TextWork(protocol, texts)
-
-
 async def _embed(request: Request, tower: str) -> Response:
-    """/embed and /embed/text: negotiate, read, parse, embed, encode."""
+    """/embed and /embed/text: choose the codec, negotiate, read, admit, parse, embed, encode."""
     p = pipeline.of(request)
-    check_media_type(
-        media_type(request.headers.get("content-type")),
-        REQUEST_TYPES if tower == "image" else TEXT_TYPES,
-    )
+    content_type = request.headers.get("content-type", "")
+    if tower == "image":
+        codec = image_codec(content_type)  # 415 before the body is read
+    else:
+        protocol = text_protocol(content_type)
     response_type = negotiate(request.headers.get("accept"), RESPONSE_TYPES)
     normalize = _flag(request, "normalize", True)
     dtype = out_dtype(request.query_params.get("dtype"))
+    limits = p.config.limits
     async with p.request(request) as ctx:
         body = await p.read_body(request, ctx)
+        # One place is admitted before parsing (the pool's backlog stays bounded by the queue);
+        # the pipeline grows it to the parsed request's size.
         if tower == "image":
-            with ctx.timer.measure("decode"):  # parsing the body counts as decoding
-                work = await _image_work(p, request, body)
-            protocol, single = work.protocol, work.single
-            completed = await p.embed_images(work, ctx, normalize=normalize)
+            async with p.admitted(p.batcher, ctx) as admitted:
+                with ctx.timer.measure("decode"):  # parsing the body counts as decoding
+                    work = await _image_work(p, request, codec, body)
+                protocol, single = work.protocol, work.single
+                completed = await p.embed_images(work, ctx, normalize=normalize, admitted=admitted)
         else:
-            with ctx.timer.measure("decode"):
-                text_work = await _text_work(p, request, body)
-            protocol, single = text_work.protocol, False
-            completed = await p.embed_texts(text_work, ctx, normalize=normalize)
+            async with p.admitted(p.text_batcher, ctx) as admitted:
+                with ctx.timer.measure("decode"):
+                    texts = await p.in_pool(parse_texts, content_type, body,
+                                            limits.max_items_per_request,
+                                            limits.max_text_chars)  # fmt: skip
+                single = False
+                completed = await p.embed_texts(
+                    TextWork(protocol, texts), ctx, normalize=normalize, admitted=admitted
+                )
     with ctx.timer.measure("encode"):
         content, headers = encode_embeddings(
             completed.embeddings,

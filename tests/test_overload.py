@@ -11,10 +11,11 @@ from collections.abc import Callable
 import httpx
 import numpy as np
 
-from tests.conftest import RunningServer, png_bytes, random_pixels
+from tests.conftest import RunningServer, png_bytes, random_pixels, until
 
 Serve = Callable[..., RunningServer]
 PNG = {"Content-Type": "image/png"}
+MSGPACK = "application/msgpack"
 
 
 def marked_png(mark: int, seed: int = 0) -> bytes:
@@ -92,3 +93,28 @@ def test_requests_that_cannot_finish_by_their_deadline_are_refused_at_once(serve
         assert int(r.headers["retry-after"]) >= 1
         assert seconds < 0.6  # refused on arrival, before its deadline could pass in the queue
     assert fake.items_run == 1 + len(ok)  # nothing was computed for a request that failed
+
+
+def test_bodies_are_parsed_only_once_admitted(serve: Serve) -> None:
+    """With the queue full, a malformed msgpack body is refused 503, not 400: admission comes
+    before parsing, so parsing in the pool is bounded by the queue too."""
+    server = serve(backend="fake", backend_option=["latency_ms=400"], max_batch_size=4,
+                   max_queue_size=4, max_items_per_request=4)  # fmt: skip
+
+    async def main() -> tuple[list[int], httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            first = asyncio.create_task(client.post("/embed", content=marked_png(1), headers=PNG))
+            await asyncio.sleep(0.1)  # computing (400 ms); the next four fill the queue
+            fill = [asyncio.create_task(client.post("/embed", content=marked_png(m), headers=PNG))
+                    for m in range(2, 6)]  # fmt: skip
+            await until(lambda: metric(server, "clipserve_queue_depth") == 4)
+            bad = await client.post(
+                "/embed", content=b"\xc1 not msgpack", headers={"Content-Type": MSGPACK}
+            )
+            done = await asyncio.gather(first, *fill)
+            return [r.status_code for r in done], bad
+
+    statuses, bad = asyncio.run(main())
+    assert statuses == [200] * 5
+    assert bad.status_code == 503, bad.text
+    assert bad.json()["error"]["code"] == "overloaded"

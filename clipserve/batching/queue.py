@@ -55,6 +55,12 @@ class Ticket:
     def release_all(self) -> None:
         self.release(self.held)
 
+    def absorb(self, other: Ticket) -> None:
+        """Take over `other`'s places (a request that turned out bigger once parsed)."""
+        assert other.admission is self.admission
+        self.held += other.held
+        other.held = 0
+
 
 @dataclass(eq=False)
 class WorkItem:

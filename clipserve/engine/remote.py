@@ -181,7 +181,7 @@ class EngineLink:
         if entry is None:
             return
         if kind == "ok" and entry.future.cancelled():  # admitted for a request gone since
-            self.send({"t": "release", "id": msg["id"]})
+            self.send({"t": "release", "ids": [msg["id"]]})
         elif kind == "done" and not entry.future.done():
             dim = int(msg["dim"])
             rows = np.stack([self.arena.view(s, "<f4", (dim,)) for s in entry.slots])
@@ -217,13 +217,17 @@ class RemoteTicket:
 
     def __init__(self, link: EngineLink, rid: int) -> None:
         self.link = link
-        self.id = rid
+        self.ids = [rid]  # more than one once it has absorbed another
         self.settled = False
 
     def release_all(self) -> None:
         if not self.settled:
             self.settled = True
-            self.link.send({"t": "release", "id": self.id})
+            self.link.send({"t": "release", "ids": self.ids})
+
+    def absorb(self, other: RemoteTicket) -> None:
+        self.ids.extend(other.ids)
+        other.settled = True
 
 
 class RemoteTower:
@@ -264,16 +268,17 @@ class RemoteTower:
             raise Overloaded("this front end's shared-memory slots are all in use; retry later")
         for slot, array in zip(slots, arrays, strict=True):
             self.link.arena.write(slot, array)
-        future = self.link.expect(ticket.id, slots)
+        rid = ticket.ids[0]
+        future = self.link.expect(rid, slots)
         ticket.settled = True  # the engine releases the admission as the items start
         self.link.send({
-            "t": "run", "id": ticket.id, "tower": self.kind, "slots": slots,
+            "t": "run", "id": rid, "ids": ticket.ids, "tower": self.kind, "slots": slots,
             "dtype": first.dtype.str, "shape": list(first.shape), "normalize": normalize,
             "rid": request_id,
         })  # fmt: skip
         try:
             completed: Completed = await future
         except asyncio.CancelledError:
-            self.link.send({"t": "cancel", "id": ticket.id})  # slots free once it answers
+            self.link.send({"t": "cancel", "id": rid})  # slots free once it answers
             raise
         return completed

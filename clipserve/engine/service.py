@@ -165,16 +165,23 @@ class EngineService:
             else:
                 front.send({"t": "ok", "id": rid})
         elif kind == "run":
-            ticket = front.tickets.pop(rid, None)
-            if ticket is None or front.arena is None:
+            tickets = [front.tickets.pop(int(i), None) for i in msg["ids"]]
+            ticket = tickets[0]
+            for other in tickets[1:]:
+                if ticket is not None and other is not None:
+                    ticket.absorb(other)
+            if ticket is None or front.arena is None or None in tickets:
+                for held in tickets:
+                    if held is not None:
+                        held.release_all()
                 error = NotReady("engine has no admission for this request; retry")
                 front.send({"t": "error", "id": rid, "error": wire.encode_error(error)})
                 return
             front.runs[rid] = asyncio.create_task(self._run(front, front.arena, ticket, msg))
         elif kind == "release":
-            ticket = front.tickets.pop(rid, None)
-            if ticket is not None:
-                ticket.release_all()
+            for held in (front.tickets.pop(int(i), None) for i in msg["ids"]):
+                if held is not None:
+                    held.release_all()
         elif kind == "cancel":
             task = front.runs.get(rid)
             if task is not None:

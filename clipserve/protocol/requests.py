@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,17 +170,61 @@ def _from_json(body: bytes, max_items: int) -> Payload:
     return Payload("json-base64", images=images)
 
 
-def parse_body(content_type: str, headers: Mapping[str, str], body: bytes,
+Parse = Callable[[str, Mapping[str, str], bytes, tuple[int, int], int], Payload]
+
+
+def _one_image(content_type: str, headers: Mapping[str, str], body: bytes,
                size: tuple[int, int], max_items: int) -> Payload:  # fmt: skip
-    """`headers` maps lower-case names to values; `size` is the model's (height, width)."""
+    return Payload(protocol_label(media_type(content_type)), images=[body], single=True)
+
+
+def _multipart(content_type: str, headers: Mapping[str, str], body: bytes,
+               size: tuple[int, int], max_items: int) -> Payload:  # fmt: skip
+    return Payload("multipart", images=parse_files(content_type, body, max_items))
+
+
+def _msgpack(content_type: str, headers: Mapping[str, str], body: bytes,
+             size: tuple[int, int], max_items: int) -> Payload:  # fmt: skip
+    return _from_msgpack(body, size, max_items)
+
+
+def _raw(content_type: str, headers: Mapping[str, str], body: bytes,
+         size: tuple[int, int], max_items: int) -> Payload:  # fmt: skip
+    return _from_raw(headers, body, size, max_items)
+
+
+def _json(content_type: str, headers: Mapping[str, str], body: bytes,
+          size: tuple[int, int], max_items: int) -> Payload:  # fmt: skip
+    return _from_json(body, max_items)
+
+
+@dataclass(frozen=True)
+class ImageCodec:
+    """How one request media type becomes a Payload: `parse(content_type, headers, body,
+    size, max_items)`, where `headers` maps lower-case names to values and `size` is the
+    model's (height, width)."""
+
+    parse: Parse
+    inline: bool = False  # one encoded image: nothing to parse, so no hop to the pool
+
+
+CODECS: dict[str, ImageCodec] = {
+    **{media: ImageCodec(_one_image, inline=True) for media in IMAGE_TYPES},
+    "multipart/form-data": ImageCodec(_multipart),
+    **{media: ImageCodec(_msgpack) for media in MSGPACK_TYPES},
+    "application/octet-stream": ImageCodec(_raw),
+    "application/json": ImageCodec(_json),
+}
+assert set(CODECS) == set(REQUEST_TYPES)
+
+
+def image_codec(content_type: str | None) -> ImageCodec:
+    """The codec for a request's Content-Type, chosen once, before the body is read."""
     media = media_type(content_type)
     check_media_type(media)
-    if media in IMAGE_TYPES:
-        return Payload(protocol_label(media), images=[body], single=True)
-    if media == "multipart/form-data":
-        return Payload("multipart", images=parse_files(content_type, body, max_items))
-    if media in MSGPACK_TYPES:
-        return _from_msgpack(body, size, max_items)
-    if media == "application/octet-stream":
-        return _from_raw(headers, body, size, max_items)
-    return _from_json(body, max_items)
+    return CODECS[media]
+
+
+def parse_body(content_type: str, headers: Mapping[str, str], body: bytes,
+               size: tuple[int, int], max_items: int) -> Payload:  # fmt: skip
+    return image_codec(content_type).parse(content_type, headers, body, size, max_items)

@@ -9,10 +9,15 @@ from clipserve.protocol.requests import MSGPACK_TYPES, check_media_type, loads_j
 TEXT_TYPES = (JSON, *MSGPACK_TYPES)
 
 
-def parse_texts(content_type: str, body: bytes, max_texts: int, max_chars: int) -> list[str]:
+def text_protocol(content_type: str | None) -> str:
+    """The request's metrics label, after refusing what is not a text body (before reading)."""
     media = media_type(content_type)
     check_media_type(media, TEXT_TYPES)
-    if media == JSON:
+    return "text-json" if media == JSON else "text-msgpack"
+
+
+def parse_texts(content_type: str, body: bytes, max_texts: int, max_chars: int) -> list[str]:
+    if text_protocol(content_type) == "text-json":
         doc = loads_json(body, max_texts, TooManyTexts)
     else:
         doc = unpack_msgpack(body, max_texts, TooManyTexts)
