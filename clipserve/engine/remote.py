@@ -20,7 +20,7 @@ from clipserve.batching import Completed
 from clipserve.config import ServerConfig, resolve_workers
 from clipserve.engine import wire
 from clipserve.engine.slots import SlotArena, segment_path
-from clipserve.errors import NotReady, Overloaded
+from clipserve.errors import NotReady
 from clipserve.model import LoadedModel
 from clipserve.preprocess import ImageDecoder, PreprocessSpec
 from clipserve.towers import WorkerStatus, worker_statuses
@@ -263,9 +263,7 @@ class RemoteTower:
         first = arrays[0]
         if any(a.shape != first.shape or a.dtype != first.dtype for a in arrays):
             raise ValueError("a request's items must share one shape and dtype")
-        slots = self.link.arena.take(len(arrays))
-        if slots is None:
-            raise Overloaded("this front end's shared-memory slots are all in use; retry later")
+        slots = self.link.arena.take(len(arrays))  # Overloaded when none are left
         for slot, array in zip(slots, arrays, strict=True):
             self.link.arena.write(slot, array)
         rid = ticket.ids[0]

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from clipserve.errors import Overloaded
+
 
 def shm_dir() -> Path:
     shm = Path("/dev/shm")
@@ -62,19 +64,36 @@ class SlotArena:
             elif os.fstat(fd).st_size < size:
                 raise ValueError(f"{path}: smaller than {count} slots of {slot_bytes} bytes")
             self._mm = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._fd = fd
+        self._backed = 0  # slots below this have their pages allocated (see take)
         self._free = list(range(self.count))  # a min-heap: the lowest free slot first
 
     @property
     def free(self) -> int:
         return len(self._free)
 
-    def take(self, n: int) -> list[int] | None:
-        """n free slots, or None when fewer are free (the caller answers overloaded)."""
+    def take(self, n: int) -> list[int]:
+        """n free slots. Pages are allocated before a slot is first written: a full /dev/shm
+        (Docker's default is 64 MiB) is then a 503, not a SIGBUS that kills the process."""
         if n > len(self._free):
-            return None
-        return [heapq.heappop(self._free) for _ in range(n)]
+            raise Overloaded(f"all {self.count} shared-memory slots of this front end are in "
+                             "use; retry later")  # fmt: skip
+        slots = [heapq.heappop(self._free) for _ in range(n)]
+        top = max(slots) + 1
+        if top > self._backed:
+            try:
+                os.posix_fallocate(self._fd, 0, top * self.slot_bytes)
+            except OSError as e:
+                self.give_back(slots)
+                raise Overloaded(
+                    f"shared memory is full ({self.path.parent}: {e.strerror}); give the "
+                    "container more (docker --shm-size) or lower --workers; retry later"
+                ) from None
+            self._backed = top
+        return slots
 
     def give_back(self, slots: list[int]) -> None:
         for slot in slots:
@@ -94,5 +113,7 @@ class SlotArena:
         # Views still alive somewhere: the mapping goes with the last of them.
         with contextlib.suppress(BufferError):
             self._mm.close()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
         if unlink:
             self.path.unlink(missing_ok=True)

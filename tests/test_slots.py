@@ -1,0 +1,64 @@
+"""Shared-memory slots: what the front end writes, the engine reads in place, and back."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from clipserve.engine.slots import SlotArena, remove_segments, segment_path, shm_dir
+from clipserve.errors import Overloaded
+
+
+@pytest.fixture
+def path() -> object:
+    p = segment_path(os.getpid(), 1_000_000 + os.getpid())
+    yield p
+    p.unlink(missing_ok=True)
+
+
+def test_items_and_embeddings_cross_between_two_mappings(path: object) -> None:
+    front = SlotArena(path, 8, 3 * 224 * 224 * 4, create=True)  # type: ignore[arg-type]
+    engine = SlotArena(path, 8, 3 * 224 * 224 * 4, create=False)  # type: ignore[arg-type]
+    slots = front.take(3)
+    assert slots == [0, 1, 2]  # lowest first: pages touched follow the peak in flight
+    image = np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8)
+    front.write(slots[1], image)
+    seen = engine.view(slots[1], np.uint8, (224, 224, 3))
+    np.testing.assert_array_equal(seen, image)  # no copy: the engine's view of the same bytes
+    engine.write(slots[1], np.arange(512, dtype=np.float32))
+    np.testing.assert_array_equal(front.view(slots[1], "<f4", (512,)), np.arange(512))
+    front.give_back([slots[1]])
+    assert front.take(1) == [1]
+    with pytest.raises(ValueError):
+        engine.view(0, np.float32, (3, 225, 225))  # bigger than a slot
+    engine.close()
+    front.close(unlink=True)
+    assert not path.exists()  # type: ignore[attr-defined]
+
+
+def test_running_out_of_slots_or_shared_memory_is_overloaded_not_a_crash(path: object) -> None:
+    arena = SlotArena(path, 4, 1024, create=True)  # type: ignore[arg-type]
+    arena.take(4)
+    with pytest.raises(Overloaded, match="slots"):
+        arena.take(1)
+    arena.close(unlink=True)
+    # A sparse file far larger than the filesystem: allocating its top slot fails with ENOSPC,
+    # where writing to it would have been a SIGBUS.
+    stat = os.statvfs(shm_dir())
+    huge = SlotArena(path, 2, stat.f_bavail * stat.f_frsize + (1 << 30), create=True)  # type: ignore[arg-type]
+    with pytest.raises(Overloaded, match="shared memory is full"):
+        huge.take(1)
+    assert huge.free == 2  # given back
+    huge.close(unlink=True)
+
+
+def test_remove_segments_unlinks_one_front_end_or_all(tmp_path: object) -> None:
+    supervisor = 2_000_000 + os.getpid()
+    for pid in (1, 2):
+        SlotArena(segment_path(supervisor, pid), 1, 64, create=True).close()
+    assert remove_segments(supervisor, 1) == 1
+    assert segment_path(supervisor, 2).exists()
+    assert remove_segments(supervisor) == 1
+    assert not segment_path(supervisor, 2).exists()
