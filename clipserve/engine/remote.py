@@ -105,10 +105,9 @@ class EngineLink:
         self.status: dict[str, Any] = {
             "towers": {}, "depth": {"image": 0, "text": 0}, "wait_s": 0.0, "memory": {},
         }  # fmt: skip
-        self.arena = SlotArena(
-            segment_path(os.getppid(), os.getpid()), slot_count(config), slot_bytes(card),
-            create=True,
-        )  # fmt: skip
+        self._slots = (slot_count(config), slot_bytes(card))
+        self._generation = 0
+        self.arena = self._new_arena()
         self.connected = False
         self._writer: asyncio.StreamWriter | None = None
         self._pending: dict[int, _Pending] = {}
@@ -136,6 +135,10 @@ class EngineLink:
             await asyncio.gather(self._task, return_exceptions=True)
         self.arena.close(unlink=True)
 
+    def _new_arena(self) -> SlotArena:
+        path = segment_path(os.getppid(), os.getpid(), self._generation)
+        return SlotArena(path, *self._slots, create=True)
+
     async def _maintain(self) -> None:
         while True:
             try:
@@ -143,6 +146,12 @@ class EngineLink:
             except OSError:
                 await asyncio.sleep(RECONNECT_S)
                 continue
+            if self._generation:
+                # A fresh file per connection: an engine that outlived a broken connection can
+                # never write into a slot this side has given to a new request since.
+                self.arena.close(unlink=True)
+                self.arena = self._new_arena()
+            self._generation += 1
             self._writer = writer
             writer.write(wire.frame({
                 "t": "hello", "pid": os.getpid(), "path": str(self.arena.path),
@@ -153,6 +162,8 @@ class EngineLink:
                     self._on_frame(await wire.read_frame(reader))
             except (asyncio.IncompleteReadError, ConnectionError):
                 log.error("lost the engine process; answering 503 until it is back")
+            except Exception:
+                log.exception("control channel to the engine broke; reconnecting")
             finally:
                 self._lost()
                 writer.close()

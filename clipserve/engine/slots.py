@@ -33,13 +33,14 @@ def segment_prefix(supervisor_pid: int) -> str:
     return f"clipserve-{supervisor_pid}-"
 
 
-def segment_path(supervisor_pid: int, frontend_pid: int) -> Path:
-    return shm_dir() / f"{segment_prefix(supervisor_pid)}{frontend_pid}"
+def segment_path(supervisor_pid: int, frontend_pid: int, generation: int = 0) -> Path:
+    """A front end's file; a new generation for each connection to the engine."""
+    return shm_dir() / f"{segment_prefix(supervisor_pid)}{frontend_pid}.{generation}"
 
 
 def remove_segments(supervisor_pid: int, pid: int | None = None) -> int:
-    """Unlink one front end's file (or all of this supervisor's); returns how many."""
-    pattern = f"{segment_prefix(supervisor_pid)}{pid if pid is not None else '*'}"
+    """Unlink one front end's files (or all of this supervisor's); returns how many."""
+    pattern = f"{segment_prefix(supervisor_pid)}{pid if pid is not None else '*'}.*"
     removed = 0
     for path in shm_dir().glob(pattern):
         path.unlink(missing_ok=True)
