@@ -1,0 +1,33 @@
+"""`--workers N` startup failures: one line, exit 2, nothing left behind."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from clipserve.bench.procs import free_port
+
+
+def _run(*flags: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "clipserve", "--workers", "2", "--backend", "fake",
+           "--host", "127.0.0.1", *flags]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_an_engine_that_cannot_start_is_one_line_and_exit_2(tiny_config: Path) -> None:
+    result = _run("--model", "no-such-model", "--port", str(free_port()))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "clipserve: error: --model: unknown open_clip model 'no-such-model'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_taken_port_is_refused_before_anything_starts(tiny_config: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _run("--model", str(tiny_config), "--pretrained", "none", "--port", str(port))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
