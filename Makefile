@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 ARGS   ?= --pretrained none
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-slow check lint bench bench-report clean
+.PHONY: serve test test-slow check lint bench bench-report gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,13 @@ bench: $(STAMP)
 bench-report: ARGS =
 bench-report: $(STAMP)
 	$(BIN)/clipserve-bench report $(ARGS)
+
+# Every GPU path measured on this machine's first CUDA device, into one JSON under bench/results/
+# (~20 min; ARGS="--allow-cpu --quick" checks the tool itself without a GPU). Needs no venv:
+# a GPU host's own python with the wheel set in bench/gpu_check.py's docstring.
+gpu-check: ARGS =
+gpu-check:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m bench.gpu_check $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

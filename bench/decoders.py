@@ -6,7 +6,7 @@ Compares exact Pillow (what open_clip does), Pillow with JPEG draft at two margi
     python -m bench.decoders per-core [--python NAME=PATH ...] [--rounds 9]
 
 Per core: decode + resize + crop of 640x480 JPEGs on one pinned core, in interleaved rounds of
-each interpreter (e.g. one with pillow-simd: docker/README.md), medians with min and max.
+each interpreter (e.g. one with pillow-simd: docker/Dockerfile.cpu), medians with min and max.
 Decoders: Pillow's draft path (the server's CPU default), Pillow exact, and torchvision's
 libjpeg-turbo through the device decoder (clipserve/gpu_decode.py) where torch is installed.
 Writes bench/results/decoders-per-core.json.
@@ -30,6 +30,7 @@ from PIL import Image, ImageOps
 
 from bench.images import jpeg
 from clipserve import preprocess
+from clipserve.bench.procs import cpu_model
 from clipserve.preprocess import ImageDecoder, PreprocessSpec
 
 SPEC = PreprocessSpec(
@@ -164,12 +165,16 @@ def per_core(argv: list[str]) -> None:
             "ms_min": round(min(ms), 3), "ms_max": round(max(ms), 3),
             "images_per_s_per_core": round(1000 / statistics.median(ms), 1),
         })  # fmt: skip
-    base = next(r["ms_median"] for r in rows if r["decoder"] == "pillow: pillow-draft")
-    for row in rows:
-        row["speedup_vs_pillow_draft"] = round(base / row["ms_median"], 3)
+    base = samples["pillow: pillow-draft"]
+    for row in rows:  # paired within each round: noise common to a round cancels
+        ratios = [b / ms for b, ms in zip(base, samples[row["decoder"]], strict=True)]
+        row["speedup_vs_pillow_draft"] = {
+            "median": round(statistics.median(ratios), 3),
+            "min": round(min(ratios), 3), "max": round(max(ratios), 3),
+        }  # fmt: skip
         print(row)
     doc = {
-        "benchmark": "decoders-per-core", "machine": platform.processor() or platform.machine(),
+        "benchmark": "decoders-per-core", "machine": cpu_model(),
         "input": "640x480 q90 synthetic JPEG -> 224x224 uint8 crop", "core": args.core,
         "rounds": args.rounds, "seconds_per_round": args.seconds, "pillow": versions,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
@@ -184,7 +189,10 @@ def main() -> None:
     if sys.argv[1:2] == ["round"]:
         seconds = float(sys.argv[sys.argv.index("--seconds") + 1])
         result: dict[str, object] = dict(per_core_round(corpus(), seconds))
-        result["_pillow"] = Image.__version__
+        from PIL import features
+
+        turbo = features.version("libjpeg_turbo")
+        result["_pillow"] = f"{Image.__version__}, libjpeg-turbo {turbo}"
         print(json.dumps(result))
         return
     parser = argparse.ArgumentParser()

@@ -20,23 +20,30 @@ of its own limit and the budget, and is skipped when too little is left. Writes
 bench/results/gpu-check-<gpu>-<date>.json (cpu-<cpu> without a GPU).
 
 On the lent H100/H200 hosts (no network there; their image has torch, torchvision, onnx,
-onnxruntime (CPU), onnxscript, numpy, pillow, aiohttp, msgpack, prometheus-client, anyio,
-httpx, pytest, pytest-timeout, uvloop, regex, timm, huggingface-hub, safetensors), carry this
-wheel set, downloaded here at the repository root first:
+onnxruntime (CPU), onnxscript, numpy, pillow, aiohttp, msgpack, prometheus-client, anyio, h11,
+click, httpx, pytest, pytest-timeout, uvloop, regex, timm, huggingface-hub, safetensors),
+carry this wheel set (9 wheels, 3.4 MB; hdrhistogram's pbr and setuptools requirements are for
+its build, not its import), downloaded here at the repository root first:
 
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \\
-      starlette uvicorn httptools open_clip_torch ftfy wcwidth orjson python-multipart \\
-      hdrhistogram pbr
-    # optional, 255 MB with its CUDA libraries left out: onnxruntime-gpu (for ort-cuda)
+      starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.0 open_clip_torch==3.3.0 ftfy==6.3.1 \\
+      wcwidth==0.9.4 orjson==3.13.0 python-multipart==0.0.34 hdrhistogram==0.10.8
+    # optional (ort-cuda; 255 MB, over one call's 64 MiB carry limit alone): onnxruntime-gpu
 
-and run, with `.whl` carried:
+and run it there (device tool: carry [".whl"]). One call runs at most 10 minutes, so split the
+sections with --only and join them with --merge, copying each call's JSON from $OUT into
+bench/results/ before the next call (a section left out by the budget is listed "skipped"):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. || exit; \\
-    PYTHONUNBUFFERED=1 python3 -m bench.gpu_check --out $OUT/gpu-check.json
+    PYTHONUNBUFFERED=1 python3 -m bench.gpu_check --only env,gpu-tests,executor:torch \\
+      --budget-s 570 --out $OUT/gpu-check.json
+    # copy it to bench/results/gpu-check-h100.json, then, in the second call:
+    ... python3 -m bench.gpu_check --only executor:cuda-graphs,decoders,served \\
+      --budget-s 570 --merge bench/results/gpu-check-h100.json --out $OUT/gpu-check.json
 
 clipserve itself runs from the working tree (the repository root is the working directory).
 """
@@ -80,7 +87,7 @@ TARGETS = {
     "served_jpeg": 10_000,
 }
 OPTIONAL_MODULES = ("onnxruntime", "open_clip", "starlette", "uvicorn", "httptools", "orjson",
-                    "multipart", "hdrh", "torchvision", "tensorrt")  # fmt: skip
+                    "python_multipart", "hdrh", "torchvision", "tensorrt")  # fmt: skip
 
 
 @dataclass
@@ -232,7 +239,8 @@ def section_decoders(plan: Plan, emit: Emit) -> dict[str, Any]:
                      "images_per_s_min": round(min(walls), 1),
                      "images_per_s_max": round(max(walls), 1),
                      "images_per_cpu_s": round(statistics.median(cpus), 1)}  # fmt: skip
-    out["device_vs_pillow_core"] = round(
+    # How many cores of Pillow the device decoder stands for.
+    out["device_in_pillow_cores"] = round(
         out["device"]["images_per_s"] / out["pillow"]["images_per_cpu_s"], 2
     )
     return out
@@ -264,8 +272,11 @@ def _metrics(url: str) -> dict[str, float]:
     )
     batch = sum(v for (name, _), v in samples.items()
                 if name == "clipserve_batch_duration_seconds_sum")  # fmt: skip
+    batches = sum(v for (name, _), v in samples.items()
+                  if name == "clipserve_batch_duration_seconds_count")  # fmt: skip
     has_busy = any(name == "clipserve_device_busy_seconds_total" for name, _ in samples)
-    return {"busy": busy if has_busy else float("nan"), "batch": batch, "t": time.monotonic()}
+    return {"busy": busy if has_busy else float("nan"), "batch": batch, "batches": batches,
+            "t": time.monotonic()}  # fmt: skip
 
 
 def section_served(plan: Plan, emit: Emit, payload: str, depth: int | None) -> dict[str, Any]:
@@ -281,7 +292,7 @@ def section_served(plan: Plan, emit: Emit, payload: str, depth: int | None) -> d
     out["server_flags"] = flags
     out["workers"] = plan.workers if "--workers" in flags else 1
     quick = plan.quick
-    duration, warmup = (3.0, 1.0) if quick else (15.0, 3.0)
+    duration, warmup = (4.0, 1.0) if quick else (15.0, 3.0)
     per_request = 8 if quick else (64 if payload == "tensor" else 16)
     kind = "raw-tensor" if payload == "tensor" else "msgpack-images"
     concurrency = 4 if quick else 64
@@ -294,9 +305,12 @@ def section_served(plan: Plan, emit: Emit, payload: str, depth: int | None) -> d
         scrapes: list[dict[str, float]] = []
 
         def scrape_in_window() -> None:  # inside the measured window, away from its edges
-            time.sleep(warmup + 1.5)
+            first = _metrics(url)
+            while _metrics(url)["batches"] == first["batches"]:  # the load has begun
+                time.sleep(0.2)
+            time.sleep(warmup + 0.5)
             scrapes.append(_metrics(url))
-            time.sleep(max(0.5, duration - 2.0))
+            time.sleep(max(0.5, duration - 1.5))
             scrapes.append(_metrics(url))
 
         scraper = threading.Thread(target=scrape_in_window, daemon=True)
@@ -314,8 +328,13 @@ def section_served(plan: Plan, emit: Emit, payload: str, depth: int | None) -> d
     if len(scrapes) == 2:
         (a, b), wall = scrapes, scrapes[1]["t"] - scrapes[0]["t"]
         busy = (b["busy"] - a["busy"]) / wall
-        out["device_busy"] = round(busy, 3) if busy == busy else "not available"
+        # Batch time over wall counts overlapping batches twice: exact for a sequential worker.
         out["batch_time_over_wall"] = round((b["batch"] - a["batch"]) / wall, 3)
+        if busy == busy:  # not NaN: the server has the busy counter
+            out["device_busy"], out["device_busy_source"] = round(busy, 3), "device_busy_seconds"
+        else:
+            out["device_busy"] = out["batch_time_over_wall"]
+            out["device_busy_source"] = "batch time / wall (no clipserve_device_busy_seconds)"
     else:
         out["device_busy"] = "not available (no scrape inside the window)"
     return out
@@ -327,12 +346,13 @@ def section_served(plan: Plan, emit: Emit, payload: str, depth: int | None) -> d
 
 def sections(plan: Plan) -> list[tuple[str, float]]:
     """(name, time limit in seconds) in running order."""
-    quick = plan.quick
-    out = [("env", 60.0), ("gpu-tests", 120.0 if quick else 240.0)]
-    out += [(f"executor:{v}", 120.0 if quick else 200.0) for v in executor_variants(plan)]
+    # Upper bounds, not estimates: none of this has yet run on a GPU.
+    slow = {"torch+fp16+compile": 200.0, "ort-cuda+fp16": 200.0}
+    out = [("env", 60.0), ("gpu-tests", 180.0)]
+    out += [(f"executor:{v}", slow.get(v, 150.0)) for v in executor_variants(plan)]
     out.append(("decoders", 120.0))
-    out += [(f"served:tensor-d{d}", 150.0 if quick else 180.0) for d in plan.depths]
-    out.append(("served:jpeg", 150.0 if quick else 180.0))
+    out += [(f"served:tensor-d{d}", 150.0) for d in plan.depths]
+    out.append(("served:jpeg", 150.0))
     return out
 
 
@@ -431,12 +451,13 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
               if n.startswith("executor:")}  # fmt: skip
     tensor = {n: ok(n) for n in results if n.startswith("served:tensor")}
     busy = [r["device_busy"] for r in tensor.values() if isinstance(r.get("device_busy"), float)]
+    # The pipelined worker's figure; a sequential one (or a CPU run) says what it can.
     out = {
         "engine_best_images_per_s": engine,
         "device_busy": max(busy) if busy else "not available",
         "served_tensor_images_per_s": {n: r.get("images_per_s") for n, r in tensor.items()},
         "served_jpeg_images_per_s": ok("served:jpeg").get("images_per_s"),
-        "device_decoder_vs_pillow_core": ok("decoders").get("device_vs_pillow_core"),
+        "device_decoder_in_pillow_cores": ok("decoders").get("device_in_pillow_cores"),
         "gpu_tests": {
             k: ok("gpu-tests").get(k) for k in ("tests", "failures", "errors", "skipped")
         },
@@ -462,6 +483,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=1200.0, help="the whole run's time budget")
     p.add_argument("--only", help="comma-separated section name prefixes (env,executor,...)")
     p.add_argument("--out", type=Path, help="the JSON (default bench/results/gpu-check-...)")
+    p.add_argument(
+        "--merge",
+        type=Path,
+        help="an earlier run's JSON: its sections are kept "
+        "unless this run repeats them (one check split over several calls)",
+    )
     p.add_argument("--section", help=argparse.SUPPRESS)
     p.add_argument("--plan", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--section-out", type=Path, help=argparse.SUPPRESS)
@@ -486,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                 out_dir=str(work), sizes=sizes)  # fmt: skip
     started = time.monotonic()
     results = run_all(plan, args.budget_s, args.only.split(",") if args.only else None)
+    if args.merge:
+        results = {**json.loads(args.merge.read_text())["sections"], **results}
     gpu = (gpu_models() or [None])[0]
     doc = {
         "benchmark": "gpu-check",

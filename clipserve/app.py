@@ -210,7 +210,7 @@ async def _towers(
         return
     rt = runtime if runtime is not None else await asyncio.to_thread(build_runtime, config)
     try:
-        towers = Towers.build(rt, config, metrics)
+        towers = Towers.build(rt, metrics)
         add_status_gauges(metrics, towers.status)
         towers.start()
         try:
@@ -242,7 +242,8 @@ def create_app(
                 rt.decode_workers(config.limits.decode_workers),
                 thread_name_prefix="clipserve-decode",
             )
-            app.state.server = Pipeline(config, rt, image, text, metrics, pool)
+            # The config as served: batch and queue sizes resolved for the devices.
+            app.state.server = Pipeline(rt.config, rt, image, text, metrics, pool)
             log.info("serving %s with %s on %s", rt.model.identity, rt.backend,
                      ", ".join(rt.devices))  # fmt: skip
             # What startup built (the model, torch: ~400k objects) lives as long as the server.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -60,10 +60,19 @@ class BackendConfig:
 
 @dataclass(frozen=True)
 class BatchingConfig:
-    max_batch_size: int = _opt(32, "most images in one forward pass")
-    max_queue_size: int = _opt(256, "most images admitted and not yet computing; more get 503")
+    max_batch_size: int = _opt(32, "most images in one forward pass; default on CUDA devices: 256")
+    max_queue_size: int = _opt(
+        256,
+        "most images admitted and not yet computing; more get 503; default on CUDA devices: "
+        "4 x batch x devices",
+    )
     max_queue_delay_ms: float = _opt(
         0.0, "how long an idle worker may wait after the oldest image for a fuller batch"
+    )
+    pipeline_depth: int = _opt(
+        2,
+        "batches in flight per device where the executor runs asynchronously (CUDA; the fake "
+        "backend's stream=1): the next is taken and copied while one computes; 1 = one at a time",
     )
 
 
@@ -117,6 +126,9 @@ class ServerConfig:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    # Options left to their defaults by load_config (no flag, no variable): those with a device
+    # default (see resolve_device_defaults) take it. Empty when built directly: all explicit.
+    defaulted: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -202,7 +214,42 @@ def load_config(
             raw = environ.get(option.env)
         if raw is not None:
             sections[option.section][option.name] = _coerce(option, raw)
-    return ServerConfig(**{name: SECTIONS[name](**values) for name, values in sections.items()})
+    given = {name for values in sections.values() for name in values}
+    defaulted = frozenset(DEVICE_DEFAULTS) - given
+    built = {name: SECTIONS[name](**values) for name, values in sections.items()}
+    return ServerConfig(**built, defaulted=defaulted)
+
+
+# Options whose default depends on the devices served (resolve_device_defaults).
+DEVICE_DEFAULTS = ("max_batch_size", "max_queue_size")
+GPU_MAX_BATCH_SIZE = 256  # not yet chosen from a measured knee: no GPU has run this
+GPU_QUEUE_BATCHES = 4  # queue room per device, in batches: two in flight, two waiting
+
+
+def resolve_device_defaults(config: ServerConfig, devices: Sequence[str]) -> ServerConfig:
+    """The config with device-dependent defaults filled in, once the devices are known.
+
+    On CUDA devices a batch of 32 leaves a GPU mostly idle and a queue of 256 admits one large
+    batch before answering 503, so options left to their defaults become --max-batch-size 256
+    and --max-queue-size 4 x batch x devices. A flag or variable always wins (precedence is
+    unchanged), and on the CPU and simulated devices the static defaults stay.
+    """
+    b = config.batching
+    if not config.defaulted or not any(d.startswith("cuda") for d in devices):
+        return config
+    batch = b.max_batch_size
+    if "max_batch_size" in config.defaulted:
+        batch = GPU_MAX_BATCH_SIZE
+        if "max_queue_size" not in config.defaulted:  # a queue given smaller than that batch
+            batch = min(batch, b.max_queue_size)
+    queue = b.max_queue_size
+    if "max_queue_size" in config.defaulted:
+        queue = max(GPU_QUEUE_BATCHES * batch * len(devices), b.max_queue_size)
+    return dataclasses.replace(
+        config,
+        batching=dataclasses.replace(b, max_batch_size=batch, max_queue_size=queue),
+        defaulted=frozenset(),
+    )
 
 
 def _flag(name: str) -> str:
@@ -224,6 +271,7 @@ def validate(config: ServerConfig) -> None:
         f"must be at least --max-batch-size ({b.max_batch_size})",
     )
     _require(b.max_queue_delay_ms >= 0, "max_queue_delay_ms", "must not be negative")
+    _require(1 <= b.pipeline_depth <= 8, "pipeline_depth", "must be in 1..8")
     _require(lim.request_timeout_s > 0, "request_timeout_s", "must be positive")
     _require(lim.max_body_bytes >= 1024, "max_body_bytes", "must be at least 1024")
     _require(

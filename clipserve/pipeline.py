@@ -44,6 +44,7 @@ class Serving(Protocol):
     """What the pipeline needs of the model: `Runtime` in one process, a front end's
     `FrontRuntime` (no weights) with --workers N."""
 
+    config: ServerConfig
     model: LoadedModel
     backend: str
     decoder: ImageDecoder

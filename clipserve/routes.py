@@ -109,6 +109,7 @@ async def info(request: Request) -> Response:
                 "max_batch_size": b.max_batch_size,
                 "max_queue_size": b.max_queue_size,
                 "max_queue_delay_ms": b.max_queue_delay_ms,
+                "pipeline_depth": b.pipeline_depth,
             },
             "text": {
                 "context_length": model.context_length,

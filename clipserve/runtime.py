@@ -26,7 +26,7 @@ import numpy as np
 from clipserve.backends.base import Executor, warmup_sizes
 from clipserve.backends.device import select_device, selected_device
 from clipserve.backends.registry import backend_candidates, create_executor, resolve_devices
-from clipserve.config import ServerConfig, resolve_workers
+from clipserve.config import ServerConfig, resolve_device_defaults, resolve_workers
 from clipserve.errors import StartupError
 from clipserve.model import LoadedModel, load_model
 from clipserve.preprocess import ImageDecoder
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Runtime:
+    config: ServerConfig  # as served: device-dependent defaults resolved (resolve_device_defaults)
     model: LoadedModel
     backend: str
     executors: list[Executor]
@@ -190,6 +191,7 @@ def _build_text_executor(model: LoadedModel, config: ServerConfig, device: str) 
 def build_runtime(config: ServerConfig) -> Runtime:
     """Load, build and warm up everything; raises StartupError with a one-line reason."""
     devices = resolve_devices(config.backend.gpus, config.backend.backend)
+    config = resolve_device_defaults(config, devices)  # batch and queue sizes for the devices
     threads = [device_thread(d) for d in devices]
     text_threads = [text_thread(d, t) for d, t in zip(devices, threads, strict=True)]
     executors: list[Executor] = []
@@ -209,4 +211,6 @@ def build_runtime(config: ServerConfig) -> Runtime:
         _close(executors, text_executors, threads, text_threads, wait=False)
         raise
     decoder = ImageDecoder.from_limits(model.preprocess, config.limits)
-    return Runtime(model, backend, executors, text_executors, threads, text_threads, decoder)
+    return Runtime(
+        config, model, backend, executors, text_executors, threads, text_threads, decoder
+    )

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from clipserve.batching import Batcher
-from clipserve.config import ServerConfig
 from clipserve.metrics import Metrics
 from clipserve.runtime import Runtime
 
@@ -35,13 +34,12 @@ class Towers:
     runtime: Runtime
 
     @classmethod
-    def build(cls, runtime: Runtime, config: ServerConfig, metrics: Metrics) -> Towers:
+    def build(cls, runtime: Runtime, metrics: Metrics) -> Towers:
         """Create inside the event loop that will run them. The text tower has its own queue
         and workers (and on CUDA its own device threads)."""
-        image = Batcher(runtime.executors, config.batching, metrics, runtime.threads)
-        text = Batcher(
-            runtime.text_executors, config.batching, metrics, runtime.text_threads, "text"
-        )
+        batching = runtime.config.batching
+        image = Batcher(runtime.executors, batching, metrics, runtime.threads)
+        text = Batcher(runtime.text_executors, batching, metrics, runtime.text_threads, "text")
         return cls(image, text, runtime)
 
     def start(self) -> None:

@@ -18,7 +18,7 @@ from PIL import Image
 
 from bench.images import encode, jpeg, synthetic_image
 from clipserve.backends.base import normalise_numpy
-from clipserve.errors import ImageTooLarge, InvalidImage
+from clipserve.errors import ExecutorFatal, ImageTooLarge, InvalidImage
 from clipserve.gpu_decode import DeviceDecoder, Header, crops_numpy
 from clipserve.preprocess import ImageDecoder, PreprocessSpec
 
@@ -205,6 +205,19 @@ def test_images_the_device_refuses_are_found_by_halving_and_decoded_on_the_host(
     assert fake.calls <= 2 * 2 * 4 + 1  # two culprits: O(log n) calls each, not n
     host = ImageDecoder(spec, 40_000_000)
     assert np.array_equal(crops_numpy(batch)[batch.ok.index(11)], host(refused))
+
+
+def test_a_fatal_device_error_stops_the_worker_instead_of_falling_back(
+    spec: PreprocessSpec,
+) -> None:
+    dec = decoder(spec)
+
+    def lost(encoded: Sequence[torch.Tensor], **kw: Any) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    dec._decode_jpeg = lost
+    with pytest.raises(ExecutorFatal, match="illegal memory access"):
+        dec.decode([jpeg(320, 240, seed=1), jpeg(320, 240, seed=2)])
 
 
 def test_headers_checked_at_admission_are_used_as_given(spec: PreprocessSpec) -> None:

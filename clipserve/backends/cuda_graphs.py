@@ -85,6 +85,19 @@ class CudaGraphExecutor(TorchExecutor):
                 self._capture(n, pool)
         log.info("captured CUDA graphs for buckets %s in %.1f s", self.buckets,
                  time.perf_counter() - t0)  # fmt: skip
+        self.prepare_staging(max(self.buckets))
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """The pipelined path's forward pass: the batch, already on the device, is copied into
+        its bucket's static input on the current stream and the graph replayed. The returned
+        view lives in the graph's pool, which the next replay overwrites: the caller turns it
+        into memory of its own (L2 normalisation writes a new tensor) on the same stream,
+        before any later replay can run."""
+        n = x.shape[0]
+        graph, static_in, static_out = self._graphs[bucket_for(n, self.buckets)]
+        static_in[:n].copy_(x)
+        graph.replay()
+        return static_out[:n]
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         if batch.dtype != np.uint8:

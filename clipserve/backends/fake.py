@@ -10,13 +10,16 @@ GPU. Options (`--backend-option KEY=VALUE`):
   oom_above        raise an out-of-memory RuntimeError, as torch does, for batches larger than this
   compute          0: skip the per-image features; each embedding is a row of a fixed table chosen
                    by the image's first value, so benchmarks measure the server, not the fake
+  stream           1: a simulated GPU stream for the pipelined worker (--pipeline-depth 2 or
+                   more): batches are launched and complete asynchronously, see below
 Each `sim:N` device in `--gpus` gets its own instance, so multi-worker dispatch runs anywhere.
 
-With a latency (latency_ms or per_item_ms) the fake is also a simulated GPU for the pipelined
-worker: `launch` stacks the batch on the caller's thread (the host's share) and queues it on
-one "stream" thread per executor, which sleeps (releasing the GIL, as a kernel would) and
-computes; batches finish in launch order, each its latency after the previous one. `run` keeps
-the synchronous behaviour.
+With `stream=1` the fake is a simulated GPU for the pipelined worker: `launch` stacks the batch
+on the caller's thread (the host's share) and queues it on one "stream" thread per executor,
+which sleeps (releasing the GIL, as a kernel would) and computes; batches finish in launch
+order, each its latency after the previous one. `run` keeps the synchronous behaviour, and
+without `stream` the fake is synchronous throughout (tests that hold one batch on the device
+with latency_ms and expect the next to wait in the queue rely on that).
 """
 
 from __future__ import annotations
@@ -63,8 +66,10 @@ class FakeExecutor:
         nan_pixel: int | None = None,
         oom_above: int | None = None,
         compute: bool = True,
+        stream: bool = False,
     ) -> None:
         self.compute = compute
+        self.asynchronous = stream  # a simulated GPU stream: launch/wait overlap batches
         self.spec = spec
         self.latency_s = latency_ms / 1000
         self.per_item_s = per_item_ms / 1000
@@ -80,11 +85,6 @@ class FakeExecutor:
         self.attempts: list[int] = []  # sizes of every call to run(), failed ones included
         self.closed = False
         self._stream: ThreadPoolExecutor | None = None  # the simulated device, made on first use
-
-    @property
-    def asynchronous(self) -> bool:
-        """Pipelined only with a simulated device time: without one the fake is host work."""
-        return self.latency_s > 0 or self.per_item_s > 0
 
     @property
     def items_run(self) -> int:
@@ -184,7 +184,7 @@ def create(model: LoadedModel, config: ServerConfig, device: str) -> FakeExecuto
     options = config.backend.options()
     known = {
         "latency_ms", "per_item_ms", "fail_pixel", "fatal_pixel", "nan_pixel", "oom_above",
-        "compute",
+        "compute", "stream",
     }  # fmt: skip
     unknown = set(options) - known
     if unknown:
@@ -202,4 +202,5 @@ def create(model: LoadedModel, config: ServerConfig, device: str) -> FakeExecuto
         nan_pixel=None if nan is None else int(nan),
         oom_above=None if oom is None else int(oom),
         compute=_number(options, "compute") != 0,
+        stream=bool(_number(options, "stream")),
     )

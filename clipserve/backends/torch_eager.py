@@ -1,16 +1,32 @@
-"""PyTorch eager executor: FP32 anywhere, FP16 on CUDA; normalises uint8 input on its device."""
+"""PyTorch eager executor: FP32 anywhere, FP16 on CUDA; normalises uint8 input on its device.
+
+On CUDA it is also asynchronous (`launch`/`wait`, see `AsyncExecutor`) for the pipelined
+worker: a batch is stacked straight into a pinned staging slot, copied to the device on a copy
+stream while the batch before it computes, normalised, run and L2-normalised on the compute
+stream, copied back into pinned memory, and its completion is a CUDA event. Slots are reused
+only once their batch has been waited for, and `wait` copies the rows out, so nothing a later
+batch writes is ever handed to a caller. `run` stays the synchronous path (the CPU, and the
+bisection of a failed batch).
+"""
 
 from __future__ import annotations
 
 import copy
 import logging
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from clipserve.backends.base import ExecutorInfo, check_batch, normalisation_affine
+from clipserve.backends.base import (
+    ExecutorInfo,
+    check_batch,
+    l2_normalise_rows,
+    normalisation_affine,
+)
 from clipserve.backends.device import device_context, fatal_device_errors
 from clipserve.config import resolve_workers
 from clipserve.errors import StartupError
@@ -38,6 +54,42 @@ def check_precision(backend: str, precision: str, device: str) -> None:
             f"--precision fp16: backend {backend} supports fp16 only on CUDA devices "
             f"(device is {device}); pass --precision fp32"
         )
+
+
+def l2_normalise_device(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Rows where `mask` is true scaled to unit length, in float32 on x's device. Each row is
+    divided by its largest magnitude first, so the squares cannot overflow (3e38 normalises to
+    unit length, as the host's float64 path does); a row holding NaN or infinity comes out
+    non-finite, so the worker still refuses it."""
+    x = x.float()
+    peak = x.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    unit = x / peak
+    norms = torch.linalg.vector_norm(unit, dim=1, keepdim=True).clamp_min(1e-12)
+    return torch.where(mask[:, None], unit / norms, x)
+
+
+class _Slot:
+    """One batch's staging: pinned host input and mask, their device copies, pinned output."""
+
+    def __init__(self, n: int, size: tuple[int, int], dim: int, device: torch.device) -> None:
+        h, w = size
+        self.host_in = torch.empty((n, h, w, 3), dtype=torch.uint8, pin_memory=True)
+        self.host_mask = torch.empty((n,), dtype=torch.bool, pin_memory=True)
+        self.host_out = torch.empty((n, dim), dtype=torch.float32, pin_memory=True)
+        self.device_in = torch.empty((n, h, w, 3), dtype=torch.uint8, device=device)
+        self.device_mask = torch.empty((n,), dtype=torch.bool, device=device)
+        self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        # A blocking event: the waiting thread sleeps instead of spinning a core the decode
+        # pool could use; it costs tens of microseconds per batch.
+        self.done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        self.capacity = n
+
+
+@dataclass
+class _Launched:
+    slot: _Slot | None  # None: computed synchronously (float input, or larger than the slots)
+    n: int
+    rows: np.ndarray | None = None
 
 
 def configure_cpu_threads(config: ServerConfig) -> int:
@@ -70,6 +122,12 @@ class TorchExecutor:
             # Its own stream (PyTorch's pool streams do not synchronise with the default stream),
             # so image batches never queue behind the text tower or a library's default-stream work.
             self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None  # type: ignore[no-untyped-call]
+            # Host-to-device copies of the next batch overlap this batch's compute.
+            self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None  # type: ignore[no-untyped-call]
+        self.asynchronous = self.is_cuda
+        self._free: list[_Slot] = []  # staging slots not holding a batch in flight
+        self._slots_lock = threading.Lock()  # launch and wait run on different threads
+        self._slot_size = 1  # images per slot: the largest warm-up batch
         if compile:  # shapes vary with the batch size: compile for dynamic batch once
             self.visual = torch.compile(self.visual, dynamic=True)
         self.info = ExecutorInfo(
@@ -92,6 +150,86 @@ class TorchExecutor:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.visual(x)  # type: ignore[no-any-return]
 
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """uint8 NHWC already on the device → float32 (N, D) embeddings, on the current stream.
+        The result must be memory of its own until the stream moves on (cuda-graphs copies
+        out of its static output)."""
+        return self.forward(self.normalise(x)).float()
+
+    def launch(self, arrays: Sequence[np.ndarray], normalize: np.ndarray) -> object:
+        n = len(arrays)
+        if arrays[0].dtype != np.uint8 or n > self._slot_size or not self.is_cuda:
+            batch = np.stack(arrays)  # a rare path: synchronous, normalised on the host
+            return _Launched(None, n, l2_normalise_rows(self.run(batch), normalize))
+        check_batch(arrays[0][None], self.spec)
+        with (
+            fatal_device_errors(self.info.device),
+            device_context(self.info.device),
+            torch.inference_mode(),
+        ):
+            slot = self._take_slot()
+            try:
+                self._enqueue(slot, arrays, normalize)
+            except BaseException:
+                self._recycle(slot)
+                raise
+        return _Launched(slot, n)
+
+    def _recycle(self, slot: _Slot) -> None:
+        """After a failed launch (out of memory, say): the slot is free once whatever was
+        enqueued before the failure is over; on a broken device it is dropped."""
+        assert self.stream is not None and self.copy_stream is not None
+        try:
+            self.copy_stream.synchronize()  # type: ignore[no-untyped-call]
+            self.stream.synchronize()  # type: ignore[no-untyped-call]
+        except Exception:
+            return
+        self._give_back(slot)
+
+    def _enqueue(self, slot: _Slot, arrays: Sequence[np.ndarray], normalize: np.ndarray) -> None:
+        n = len(arrays)
+        np.stack(arrays, out=slot.host_in.numpy()[:n])  # straight into pinned memory
+        slot.host_mask.numpy()[:n] = normalize
+        assert self.stream is not None and self.copy_stream is not None
+        with torch.cuda.stream(self.copy_stream):
+            # The slot's previous batch was waited for before it came back; this keeps its
+            # device buffers safe even so, in stream order, at no host cost.
+            self.copy_stream.wait_event(slot.done)  # type: ignore[no-untyped-call]
+            slot.device_in[:n].copy_(slot.host_in[:n], non_blocking=True)
+            slot.device_mask[:n].copy_(slot.host_mask[:n], non_blocking=True)
+            slot.copied.record(self.copy_stream)
+        self.stream.wait_event(slot.copied)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(self.stream):
+            rows = l2_normalise_device(self.embed(slot.device_in[:n]), slot.device_mask[:n])
+            slot.host_out[:n].copy_(rows, non_blocking=True)
+            slot.done.record(self.stream)
+
+    def wait(self, launched: object) -> np.ndarray:
+        assert isinstance(launched, _Launched)
+        if launched.slot is None:
+            assert launched.rows is not None
+            return launched.rows
+        slot = launched.slot
+        try:
+            with fatal_device_errors(self.info.device):
+                slot.done.synchronize()  # type: ignore[no-untyped-call]
+            # A copy: the slot's pinned output is rewritten by the next batch that uses it.
+            return slot.host_out[: launched.n].numpy().copy()
+        finally:
+            self._give_back(slot)
+
+    def _take_slot(self) -> _Slot:
+        """A free slot, or a new one: the ring grows to the number of batches in flight."""
+        with self._slots_lock:
+            if self._free:
+                return self._free.pop()
+        return _Slot(self._slot_size, self.spec.size, self.info.embed_dim, self.device)
+
+    def _give_back(self, slot: _Slot) -> None:
+        with self._slots_lock:
+            if slot.capacity == self._slot_size:
+                self._free.append(slot)
+
     def run(self, batch: np.ndarray) -> np.ndarray:
         check_batch(batch, self.spec)
         if not self.is_cuda:
@@ -112,12 +250,30 @@ class TorchExecutor:
         h, w = self.spec.size
         for n in batch_sizes:
             self.run(np.zeros((n, h, w, 3), dtype=np.uint8))
+        self.prepare_staging(max(batch_sizes))
+
+    def prepare_staging(self, max_batch_size: int, slots: int = 2) -> None:
+        """Pinned staging for batches up to `max_batch_size`, two slots made now (pinning is
+        slow: not on the request path), and one launch through them to warm the kernels."""
+        if not self.is_cuda:
+            return
+        self._slot_size = max_batch_size
+        with device_context(self.info.device):
+            made = [_Slot(max_batch_size, self.spec.size, self.info.embed_dim, self.device)
+                    for _ in range(slots)]  # fmt: skip
+        with self._slots_lock:
+            self._free = made
+        h, w = self.spec.size
+        sample = [np.zeros((h, w, 3), dtype=np.uint8)] * max_batch_size
+        self.wait(self.launch(sample, np.ones(max_batch_size, dtype=bool)))
 
     def memory(self) -> int | None:
         return int(torch.cuda.memory_allocated(self.device)) if self.is_cuda else None
 
     def close(self) -> None:
         del self.visual
+        with self._slots_lock:
+            self._free = []
         if self.is_cuda:
             with device_context(self.info.device):
                 torch.cuda.empty_cache()

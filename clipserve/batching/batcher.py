@@ -56,6 +56,7 @@ class Batcher:
                 self.queue,
                 max_batch_size=config.max_batch_size,
                 max_delay_s=config.max_queue_delay_ms / 1000,
+                pipeline_depth=config.pipeline_depth,
                 metrics=metrics,
                 thread=thread,
                 on_death=self._on_worker_death,

@@ -251,9 +251,9 @@ class DeviceWorker:
             outcome = batch.outcome or await self._collect(batch)
             self._settle(batch, outcome)
             self._inflight.remove(batch)
-            slots.release()
-            if outcome.fatal is not None:
+            if outcome.fatal is not None:  # before the slot is free: nothing more is taken
                 raise outcome.fatal  # ends this worker; /readyz reports it
+            slots.release()
 
     async def _collect(self, batch: _Batch) -> Outcome:
         """The rows of a launched batch; a batch that failed is bisected through `run`."""

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -43,10 +44,17 @@ def slot_count(config: ServerConfig) -> int:
     return 2 * b.max_queue_size + 4 * b.max_batch_size
 
 
+def served_config(config: ServerConfig, card: dict[str, Any]) -> ServerConfig:
+    """The config as the engine serves it (its device-dependent defaults resolved)."""
+    batching = dataclasses.replace(config.batching, **card["batching"])
+    return dataclasses.replace(config, batching=batching, defaulted=frozenset())
+
+
 @dataclass
 class FrontRuntime:
     """What a front end knows of the model: enough to parse, decode and tokenise, no weights."""
 
+    config: ServerConfig  # as the engine serves it
     model: LoadedModel
     backend: str
     devices: list[str]
@@ -74,8 +82,8 @@ class FrontRuntime:
             open_clip.get_tokenizer(card["name"]), int(card["context_length"]),
         )  # fmt: skip
         decoder = ImageDecoder.from_limits(spec, config.limits)
-        return cls(model, card["backend"], list(card["devices"]), card["precision"], decoder,
-                   config.http.workers)  # fmt: skip
+        return cls(served_config(config, card), model, card["backend"], list(card["devices"]),
+                   card["precision"], decoder, config.http.workers)  # fmt: skip
 
     def tokenize(self, texts: list[str]) -> np.ndarray:
         return self.model.tokenize(texts)
@@ -105,11 +113,11 @@ class EngineLink:
         self.status: dict[str, Any] = {
             "towers": {}, "depth": {"image": 0, "text": 0}, "wait_s": 0.0, "memory": {},
         }  # fmt: skip
-        self._slots = (slot_count(config), slot_bytes(card))
+        self._slots = (slot_count(served_config(config, card)), slot_bytes(card))
         self._generation = 0
         self.arena = self._new_arena()
         self.connected = False
-        self._writer: asyncio.StreamWriter | None = None
+        self._channel: wire.Channel | None = None
         self._pending: dict[int, _Pending] = {}
         self._ids = 0
         self._task: asyncio.Task[None] | None = None
@@ -140,9 +148,12 @@ class EngineLink:
         return SlotArena(path, *self._slots, create=True)
 
     async def _maintain(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             try:
-                reader, writer = await asyncio.open_unix_connection(self.socket_path)
+                _, channel = await loop.create_unix_connection(
+                    lambda: wire.Channel(self._on_frame, self._lost), self.socket_path
+                )
             except OSError:
                 await asyncio.sleep(RECONNECT_S)
                 continue
@@ -152,26 +163,21 @@ class EngineLink:
                 self.arena.close(unlink=True)
                 self.arena = self._new_arena()
             self._generation += 1
-            self._writer = writer
-            writer.write(wire.frame({
+            self._channel = channel
+            channel.send({
                 "t": "hello", "pid": os.getpid(), "path": str(self.arena.path),
                 "count": self.arena.count, "slot_bytes": self.arena.slot_bytes,
-            }))  # fmt: skip
+            })  # fmt: skip
             try:
-                while True:
-                    self._on_frame(await wire.read_frame(reader))
-            except (asyncio.IncompleteReadError, ConnectionError):
-                log.error("lost the engine process; answering 503 until it is back")
-            except Exception:
-                log.exception("control channel to the engine broke; reconnecting")
+                await channel.closed
             finally:
-                self._lost()
-                writer.close()
+                channel.close()
+            log.error("lost the engine process; answering 503 until it is back")
             await asyncio.sleep(RECONNECT_S)
 
     def _lost(self) -> None:
         self.connected = False
-        self._writer = None
+        self._channel = None
         pending, self._pending = self._pending, {}
         for entry in pending.values():  # the engine is gone: nobody reads or writes the slots
             self.arena.give_back(entry.slots)
@@ -204,8 +210,8 @@ class EngineLink:
         self.arena.give_back(entry.slots)  # the engine answered: it is done with them
 
     def send(self, message: dict[str, Any]) -> None:
-        if self._writer is not None and not self._writer.is_closing():
-            self._writer.write(wire.frame(message))
+        if self._channel is not None:
+            self._channel.send(message)
 
     def next_id(self) -> int:
         self._ids += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -46,6 +47,8 @@ def model_card(runtime: Runtime) -> dict[str, Any]:
         "backend": runtime.backend,
         "devices": runtime.devices,
         "precision": runtime.precision,
+        # As served (CUDA defaults resolved): front ends size their slots and /info by it.
+        "batching": dataclasses.asdict(runtime.config.batching),
     }
 
 
@@ -53,16 +56,15 @@ def model_card(runtime: Runtime) -> dict[str, Any]:
 class FrontEnd:
     """One connected front end: its slots, the admissions it holds and the runs under way."""
 
-    writer: asyncio.StreamWriter
-    handler: asyncio.Task[Any] | None = None
+    channel: wire.Channel | None = None
     arena: SlotArena | None = None
     pid: int = 0
     tickets: dict[int, Ticket] = field(default_factory=dict)
     runs: dict[int, asyncio.Task[None]] = field(default_factory=dict)
 
     def send(self, message: dict[str, Any]) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(wire.frame(message))
+        if self.channel is not None:
+            self.channel.send(message)
 
 
 class EngineService:
@@ -84,10 +86,12 @@ class EngineService:
         raise ValueError(f"unknown tower {tower!r}")
 
     async def serve(self, socket_path: Path, on_ready: Any, stop: asyncio.Event) -> None:
-        self.towers = Towers.build(self.runtime, self.config, self.metrics)
+        self.towers = Towers.build(self.runtime, self.metrics)
         self.towers.start()
         await asyncio.to_thread(socket_path.unlink, missing_ok=True)  # a dead engine's
-        server = await asyncio.start_unix_server(self._connection, path=str(socket_path))
+        server = await asyncio.get_running_loop().create_unix_server(
+            self._connection, path=str(socket_path)
+        )
         pusher = asyncio.create_task(self._push_status())
         log.info(
             "engine serving %s with %s on %s", self.runtime.model.identity, self.runtime.backend,
@@ -100,10 +104,10 @@ class EngineService:
         finally:
             pusher.cancel()
             server.close()
-            handlers = [f.handler for f in self.front_ends if f.handler is not None]
-            for front in list(self.front_ends):
-                front.writer.close()  # its handler sees the end of stream and drops it
-            await asyncio.gather(*handlers, return_exceptions=True)
+            channels = [f.channel for f in self.front_ends if f.channel is not None]
+            for channel in channels:
+                channel.close()  # connection_lost drops the front end
+            await asyncio.gather(*(c.closed for c in channels))
             await self.towers.stop()
 
     async def drain(self, stop: asyncio.Event, timeout_s: float) -> None:
@@ -124,24 +128,20 @@ class EngineService:
                 for front in self.front_ends:
                     front.send(status)
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        front = FrontEnd(writer, asyncio.current_task())
+    def _connection(self) -> wire.Channel:
+        """A new front end's channel (the server's protocol factory)."""
+        front = FrontEnd()
+        front.channel = wire.Channel(
+            lambda message: self._dispatch(front, message), lambda: self._drop(front)
+        )
         self.front_ends.add(front)
         self._none_connected.clear()
-        try:
-            while True:
-                self._dispatch(front, await wire.read_frame(reader))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the front end exited or was killed: what it had under way is dropped
-        except Exception:
-            log.exception("control channel from front end %d broke", front.pid)
-        finally:
-            self._drop(front)
-            writer.close()
+        return front.channel
 
     def _drop(self, front: FrontEnd) -> None:
         """Cancel a gone front end's runs (its queued items leave the queue) and give back its
         admissions; its slot file is the supervisor's to remove."""
+        front.channel = None
         self.front_ends.discard(front)
         if not self.front_ends:
             self._none_connected.set()
@@ -225,6 +225,15 @@ class EngineService:
         front.send(reply)  # after the last write into its slots: the front end may reuse them
 
 
+def _loop_factory() -> Any:
+    """uvloop where installed (uvicorn[standard] brings it), as the front ends run."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def engine_main(
     config: ServerConfig, socket_path: str, ready: Connection, supervisor_pid: int
 ) -> None:
@@ -258,7 +267,8 @@ def engine_main(
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
             await service.serve(Path(socket_path), lambda: ready.send(("ready", card)), stop)
 
-        asyncio.run(main())
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(main())
     finally:
         with contextlib.suppress(Exception):
             runtime.close()

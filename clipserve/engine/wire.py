@@ -1,4 +1,4 @@
-"""The control channel's frames: a 4-byte length, then one msgpack map with a type `t`.
+"""The control channel: a stream of msgpack maps over a Unix socket, each with a type `t`.
 
 Front end → engine (`id` is the front end's number for one request's tower work):
   hello   {pid, path, count, slot_bytes}     its slot file; answered by `card`
@@ -19,31 +19,75 @@ Every `admit` and every `run` gets exactly one answer; a slot is reused only aft
 from __future__ import annotations
 
 import asyncio
-import struct
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 
 from clipserve import errors
 
-_LENGTH = struct.Struct(">I")
-MAX_FRAME = 16 << 20  # frames carry slot numbers, never pixels
+log = logging.getLogger(__name__)
+MAX_BUFFER = 16 << 20  # frames carry slot numbers, never pixels
 
 
-async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
-    """The next frame; asyncio.IncompleteReadError at a clean end of stream."""
-    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    if length > MAX_FRAME:
-        raise ValueError(f"control frame of {length} bytes")
-    frame = msgpack.unpackb(await reader.readexactly(length), raw=False)
-    if not isinstance(frame, dict):
-        raise ValueError("control frame is not a map")
-    return frame
+class Channel(asyncio.Protocol):
+    """msgpack maps over a stream (msgpack delimits itself). Frames sent in one event-loop
+    iteration leave in one write: a finished batch answers all its requests with one syscall."""
 
+    def __init__(
+        self,
+        on_message: Callable[[dict[str, Any]], None],
+        on_lost: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.on_message = on_message
+        self.on_lost = on_lost
+        self.transport: Any = None  # an asyncio or uvloop transport (not a common base class)
+        self.closed = asyncio.get_running_loop().create_future()
+        self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_BUFFER)
+        self._packer = msgpack.Packer(use_bin_type=True)
+        self._out: list[bytes] = []
 
-def frame(message: dict[str, Any]) -> bytes:
-    body: bytes = msgpack.packb(message, use_bin_type=True)
-    return _LENGTH.pack(len(body)) + body
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._unpacker.feed(data)
+            for message in self._unpacker:
+                if not isinstance(message, dict):
+                    raise ValueError("control frame is not a map")
+                self.on_message(message)
+        except Exception:
+            log.exception("control channel: bad frame; closing it")
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if not self.closed.done():
+            self.closed.set_result(None)
+        self.on_lost()
+
+    @property
+    def open(self) -> bool:
+        return self.transport is not None and not bool(self.transport.is_closing())
+
+    def send(self, message: dict[str, Any]) -> None:
+        if not self.open:
+            return
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(self._packer.pack(message))
+
+    def _flush(self) -> None:
+        if self.open:
+            self.transport.write(b"".join(self._out))
+        self._out.clear()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self._flush()
+            self.transport.close()
 
 
 def encode_error(error: BaseException) -> dict[str, Any]:
