@@ -175,7 +175,10 @@ class Supervisor:
                 raise StartupError("the engine process exited while starting (see the log)")
             if time.monotonic() > deadline or self.stopping:
                 raise StartupError("the engine process did not become ready")
-        kind, payload = self.engine_ready.recv()
+        try:
+            kind, payload = self.engine_ready.recv()
+        except EOFError:  # it died before a word: an unexpected error, its traceback logged
+            raise StartupError("the engine process exited while starting (see the log)") from None
         if kind == "error":
             raise StartupError(payload)
         self.card = payload
