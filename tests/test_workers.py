@@ -164,11 +164,15 @@ def server(tiny_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         served.wait_ready()
         yield served
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            for child in psutil.Process().children(recursive=True):
-                child.kill()
-            proc.wait()
+        if proc.poll() is None:  # a test failed before the SIGTERM test: still clean up
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    child.kill()
+                proc.kill()
+                proc.wait()
 
 
 @pytest.fixture(autouse=True)
@@ -275,7 +279,7 @@ def test_a_killed_engine_makes_front_ends_answer_503_fast_and_recovers(server: S
     engine = server.engine()
     engine.kill()
     engine.wait(10)
-    for _ in range(50):
+    for _ in range(100):
         status, _, _ = server.get("/readyz")
         if status == 503:
             break
@@ -285,7 +289,7 @@ def test_a_killed_engine_makes_front_ends_answer_503_fast_and_recovers(server: S
     conn = server.connect()
     t0 = time.monotonic()
     status, headers, body = request(conn, "POST", "/embed", _jpeg(1))
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 2.0  # at once, not at a timeout (generous: shared machine)
     assert status == 503 and "retry-after" in headers
     assert json.loads(body)["error"]["code"] == "not_ready"
     server.wait_ready(120)  # the supervisor restarted it; the front ends reconnected
