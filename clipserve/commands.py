@@ -52,8 +52,9 @@ def summarise_profile(events: Iterable[Mapping[str, Any]]) -> tuple[dict[str, fl
 
 def profile_main(config: ServerConfig, batches: int, batch_size: int) -> int:
     """Run ORT's profiler over a few batches; print op-type time shares and CPU fallbacks."""
+    from clipserve.backends import ort
+    from clipserve.backends.base import ExecutorSpec
     from clipserve.backends.device import select_device
-    from clipserve.backends.ort import create_ort
     from clipserve.backends.registry import resolve_devices
     from clipserve.errors import StartupError
     from clipserve.model import load_model
@@ -64,7 +65,7 @@ def profile_main(config: ServerConfig, batches: int, batch_size: int) -> int:
     device = resolve_devices(config.backend.gpus, backend)[0]
     select_device(device)  # before any CUDA call: --gpus 1 must not touch GPU 0
     model = load_model(config.model)
-    executor = create_ort(backend, model, config, device, profiling=True)
+    executor = ort.create(model, ExecutorSpec.from_config(config), device, profiling=True)
     h, w = model.preprocess.size
     rng = np.random.default_rng(0)
     for _ in range(batches):

@@ -19,13 +19,18 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures.thread import BrokenThreadPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from clipserve.backends.base import Executor, warmup_sizes
+from clipserve.backends.base import Executor, ExecutorSpec, warmup_sizes
 from clipserve.backends.device import select_device, selected_device
-from clipserve.backends.registry import backend_candidates, create_executor, resolve_devices
+from clipserve.backends.registry import (
+    backend_candidates,
+    create_executor,
+    create_text_executor,
+    resolve_devices,
+)
 from clipserve.config import ServerConfig, resolve_device_defaults, resolve_workers
 from clipserve.errors import StartupError
 from clipserve.model import LoadedModel, load_model
@@ -132,12 +137,10 @@ def _close_quietly(executors: list[Executor], threads: Sequence[ThreadPoolExecut
             log.debug("closing %s after a failed build failed too", executor.info, exc_info=True)
 
 
-def _build_executor(
-    backend: str, model: LoadedModel, config: ServerConfig, device: str
-) -> Executor:
-    executor = create_executor(backend, model, config, device)
+def _build_executor(model: LoadedModel, spec: ExecutorSpec, device: str) -> Executor:
+    executor = create_executor(model, spec, device)
     try:
-        sizes = warmup_sizes(config.batching.max_batch_size)
+        sizes = warmup_sizes(spec.max_batch_size)
         t0 = time.perf_counter()
         executor.warmup(sizes)
     except BaseException:
@@ -145,26 +148,25 @@ def _build_executor(
         raise
     log.info(
         "warmed up %s on %s (%s) over batch sizes %s in %.1f s",
-        backend, device, executor.info.precision, sizes, time.perf_counter() - t0,
+        spec.backend, device, executor.info.precision, sizes, time.perf_counter() - t0,
     )  # fmt: skip
     return executor
 
 
 def _build_image_executors(
-    model: LoadedModel, config: ServerConfig, devices: list[str], threads: list[ThreadPoolExecutor]
-) -> tuple[str, list[Executor]]:
-    """One executor per device, all of one backend: the first candidate that starts everywhere.
-    With an explicit --backend its failure is the startup error; under auto it is one log line
-    and the next candidate is tried."""
-    requested = config.backend.backend
+    model: LoadedModel, spec: ExecutorSpec, devices: list[str], threads: list[ThreadPoolExecutor]
+) -> tuple[ExecutorSpec, list[Executor]]:
+    """One executor per device, all of one backend: the first candidate for `spec.backend` that
+    starts everywhere, returned with the spec it got. With an explicit --backend its failure
+    is the startup error; under auto it is one log line and the next candidate is tried."""
+    requested = spec.backend
     skipped: list[str] = []
     for backend in backend_candidates(requested, devices[0]):
+        chosen = replace(spec, backend=backend)
         executors: list[Executor] = []
         try:
             for device, thread in zip(devices, threads, strict=True):
-                executors.append(
-                    thread.submit(_build_executor, backend, model, config, device).result()
-                )
+                executors.append(thread.submit(_build_executor, model, chosen, device).result())
         except Exception as e:
             _close_quietly(executors, threads)
             if requested != "auto":
@@ -175,16 +177,18 @@ def _build_image_executors(
             continue
         if requested == "auto":
             log.info("--backend auto picked %s for %s", backend, ", ".join(devices))
-        return backend, executors
+        return chosen, executors
     raise StartupError(f"--backend auto: no backend started on {devices[0]} ({'; '.join(skipped)})")
 
 
-def _build_text_executor(model: LoadedModel, config: ServerConfig, device: str) -> Executor:
-    from clipserve.backends.text_torch import TextExecutor
-
-    precision = config.backend.precision if device.startswith("cuda") else "fp32"
-    executor = TextExecutor(model, device if not device.startswith("sim") else "cpu", precision)
-    executor.warmup(warmup_sizes(config.batching.max_batch_size))
+def _build_text_executor(model: LoadedModel, spec: ExecutorSpec, device: str) -> Executor:
+    """The text tower of the backend the image tower got (`spec.backend`), warmed up."""
+    executor = create_text_executor(model, spec, device)
+    try:
+        executor.warmup(warmup_sizes(spec.max_batch_size))
+    except BaseException:
+        _close_quietly([executor], [None])
+        raise
     return executor
 
 
@@ -202,15 +206,14 @@ def build_runtime(config: ServerConfig) -> Runtime:
             if text is not thread:
                 _start_thread(text, device)
         model = threads[0].submit(load_model, config.model).result()
-        backend, executors = _build_image_executors(model, config, devices, threads)
+        spec = ExecutorSpec.from_config(config)  # what the executors see of the config
+        spec, executors = _build_image_executors(model, spec, devices, threads)
         for device, thread in zip(devices, text_threads, strict=True):
-            text_executors.append(
-                thread.submit(_build_text_executor, model, config, device).result()
-            )
+            text_executors.append(thread.submit(_build_text_executor, model, spec, device).result())
     except BaseException:
         _close(executors, text_executors, threads, text_threads, wait=False)
         raise
     decoder = ImageDecoder.from_limits(model.preprocess, config.limits)
     return Runtime(
-        config, model, backend, executors, text_executors, threads, text_threads, decoder
+        config, model, spec.backend, executors, text_executors, threads, text_threads, decoder
     )

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from clipserve.backends import cuda_graphs, ort
-from clipserve.backends.base import Executor, normalise_numpy, warmup_sizes
+from clipserve.backends.base import Executor, ExecutorSpec, normalise_numpy, warmup_sizes
 from clipserve.backends.onnx_export import cached_export
 from clipserve.backends.registry import BACKENDS, backend_candidates, create_executor
 from clipserve.commands import summarise_profile
@@ -43,6 +43,16 @@ def config_for(tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path) -> Any:
     return build
 
 
+@pytest.fixture
+def spec_for(config_for: Any) -> Any:
+    """spec_for(backend=..., **flags) → the ExecutorSpec the runtime would build."""
+
+    def build(**overrides: Any) -> ExecutorSpec:
+        return ExecutorSpec.from_config(config_for(**overrides))
+
+    return build
+
+
 def batch(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, 224, 224, 3), dtype=np.uint8)
 
@@ -57,8 +67,8 @@ def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("name", RUNNABLE_HERE)
-def test_conformance(name: str, loaded: Any, config_for: Any) -> None:
-    executor: Executor = create_executor(name, loaded, config_for(backend=name), "cpu")
+def test_conformance(name: str, loaded: Any, spec_for: Any) -> None:
+    executor: Executor = create_executor(loaded, spec_for(backend=name), "cpu")
     try:
         assert executor.info.backend == name
         assert executor.info.embed_dim == 32 and executor.info.input_size == (224, 224)
@@ -78,8 +88,8 @@ def test_conformance(name: str, loaded: Any, config_for: Any) -> None:
 
 
 @pytest.mark.parametrize("name", ["torch", "ort-cpu"])
-def test_fp32_parity_with_pytorch(name: str, loaded: Any, config_for: Any) -> None:
-    executor = create_executor(name, loaded, config_for(backend=name), "cpu")
+def test_fp32_parity_with_pytorch(name: str, loaded: Any, spec_for: Any) -> None:
+    executor = create_executor(loaded, spec_for(backend=name), "cpu")
     x = batch(8, seed=3)
     out, want = executor.run(x), reference(loaded, x)
     assert min_cosine(out, want) >= FP32_MIN_COSINE
@@ -120,16 +130,16 @@ def test_gpu_provider_that_cannot_load_is_refused(name: str, loaded: Any, tmp_pa
 
 
 @pytest.mark.parametrize("name", ["ort-cuda", "ort-trt", "cuda-graphs"])
-def test_gpu_backends_refuse_a_cpu_device(name: str, loaded: Any, config_for: Any) -> None:
+def test_gpu_backends_refuse_a_cpu_device(name: str, loaded: Any, spec_for: Any) -> None:
     with pytest.raises(StartupError, match="needs a CUDA device"):
-        create_executor(name, loaded, config_for(backend=name), "cpu")
+        create_executor(loaded, spec_for(backend=name), "cpu")
 
 
 @pytest.mark.parametrize(("name", "precision"), [("torch", "fp16"), ("ort-cpu", "fp16")])
 def test_unsupported_precision_fails_naming_the_flag(name: str, precision: str, loaded: Any,
-                                                     config_for: Any) -> None:  # fmt: skip
+                                                     spec_for: Any) -> None:  # fmt: skip
     with pytest.raises(StartupError, match=f"--precision {precision}"):
-        create_executor(name, loaded, config_for(backend=name, precision=precision), "cpu")
+        create_executor(loaded, spec_for(backend=name, precision=precision), "cpu")
 
 
 def trt_cache(**changes: Any) -> ort.TrtCache:
@@ -275,9 +285,9 @@ def test_export_and_profile_commands(tiny_config: Path, tiny_checkpoint: Path,
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("name", GPU_BACKENDS)
-def test_gpu_parity(name: str, loaded: Any, config_for: Any) -> None:
+def test_gpu_parity(name: str, loaded: Any, spec_for: Any) -> None:
     try:
-        executor = create_executor(name, loaded, config_for(backend=name, gpus="0"), "cuda:0")
+        executor = create_executor(loaded, spec_for(backend=name, gpus="0"), "cuda:0")
     except StartupError as e:  # a provider or library this host lacks: named in the reason
         pytest.skip(f"{name} cannot start here: {e}")
     try:

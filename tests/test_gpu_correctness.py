@@ -23,7 +23,7 @@ from clipserve.backends import device as dev
 from clipserve.backends import registry
 from clipserve.backends.base import ExecutorInfo
 from clipserve.backends.onnx_export import import_onnxruntime
-from clipserve.backends.registry import BACKENDS, BackendEntry, backend_candidates
+from clipserve.backends.registry import BACKENDS, BackendEntry, Implementation, backend_candidates
 from clipserve.errors import ExecutorFatal, StartupError
 from clipserve.runtime import build_runtime, device_thread
 from tests.conftest import make_config
@@ -255,6 +255,7 @@ import os, sys
 from pathlib import Path
 import numpy as np
 import torch
+from clipserve.backends.base import ExecutorSpec
 from clipserve.backends.registry import create_executor
 from clipserve.backends.text_torch import TextExecutor
 from clipserve.errors import ExecutorFatal, StartupError
@@ -267,8 +268,8 @@ config = make_config(Path(sys.argv[1]), Path(sys.argv[2]), backend="torch" if na
 model = load_model(config.model)
 torch.cuda.set_device(0)
 try:
-    ex = TextExecutor(model, "cuda:0") if name == "text" else create_executor(name, model,
-                                                                              config, "cuda:0")
+    spec = ExecutorSpec.from_config(config)
+    ex = TextExecutor(model, "cuda:0") if name == "text" else create_executor(model, spec, "cuda:0")
 except StartupError as e:
     print("cannot start:", e)
     os._exit(0)
@@ -334,35 +335,36 @@ class WarmupFails:
         closed.append(self.info.device)
 
 
-def create_refusing(model: Any, config: Any, device: str) -> Any:
+def create_refusing(model: Any, spec: Any, device: str) -> Any:
     raise StartupError("--backend refuses: libnvinfer.so.10: cannot open shared object file")
 
 
-def create_warmup_fails(model: Any, config: Any, device: str) -> WarmupFails:
+def create_warmup_fails(model: Any, spec: Any, device: str) -> WarmupFails:
     return WarmupFails(device)
 
 
-def anywhere(device: str) -> bool:
-    return True
+def anywhere(backend: str, device: str) -> None:
+    return None
 
 
-def nowhere(device: str) -> bool:
-    return False
+def nowhere(backend: str, device: str) -> str:
+    return f"not available on {device}"
+
+
+def registered(create: Any, unavailable_reason: Any) -> Any:
+    return lambda: Implementation(create, unavailable_reason)
 
 
 @pytest.fixture
 def auto_chain(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Registers backends that fail to start, like any other backend, and an auto order that
     tries them before torch."""
-    here = __name__
     entries = {
-        "refuses": BackendEntry(here, None, create="create_refusing", available="anywhere"),
-        "warmup-fails": BackendEntry(here, None, create="create_warmup_fails",
-                                     available="anywhere"),
-        "gpu-only": BackendEntry(here, None, gpu_only=True, create="create_refusing",
-                                 available="anywhere"),
-        "unavailable": BackendEntry(here, None, create="create_refusing", available="nowhere"),
-    }  # fmt: skip
+        "refuses": BackendEntry(registered(create_refusing, anywhere), None),
+        "warmup-fails": BackendEntry(registered(create_warmup_fails, anywhere), None),
+        "gpu-only": BackendEntry(registered(create_refusing, anywhere), None, gpu_only=True),
+        "unavailable": BackendEntry(registered(create_refusing, nowhere), None),
+    }
     for name, entry in entries.items():
         monkeypatch.setitem(BACKENDS, name, entry)
 

@@ -346,13 +346,14 @@ def _torch_parity(executor: Any, n: int) -> None:
 def test_cuda_launch_and_wait_match_run_and_own_their_rows(
     backend: str, tiny_config: Any, tiny_checkpoint: Any
 ) -> None:
+    from clipserve.backends.base import ExecutorSpec
     from clipserve.backends.registry import create_executor
     from clipserve.model import load_model
     from tests.conftest import make_config
 
     config = make_config(tiny_config, tiny_checkpoint, backend=backend, gpus="0", max_batch_size=8)
     model = load_model(config.model)
-    executor = create_executor(backend, model, config, "cuda:0")
+    executor = create_executor(model, ExecutorSpec.from_config(config), "cuda:0")
     executor.warmup([1, 2, 4, 8])
     assert as_async(executor) is executor
     _torch_parity(executor, 5)

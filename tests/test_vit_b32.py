@@ -54,7 +54,7 @@ def test_vit_b32_served_matches_open_clip(tmp_path: Path) -> None:
 def test_vit_b32_onnx_export_matches_pytorch(tmp_path: Path) -> None:
     """The real architecture through the exporter and ONNX Runtime (its attention blocks are
     where export problems show up), against PyTorch FP32."""
-    from clipserve.backends.base import normalise_numpy
+    from clipserve.backends.base import ExecutorSpec, normalise_numpy
     from clipserve.backends.registry import create_executor
 
     config = load_config(
@@ -64,7 +64,7 @@ def test_vit_b32_onnx_export_matches_pytorch(tmp_path: Path) -> None:
     from clipserve.model import load_model
 
     model = load_model(config.model)
-    executor = create_executor("ort-cpu", model, config, "cpu")
+    executor = create_executor(model, ExecutorSpec.from_config(config), "cpu")
     x = np.random.default_rng(0).integers(0, 256, (4, 224, 224, 3), dtype=np.uint8)
     got = executor.run(x)
     with torch.inference_mode():

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol, cast
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
+from clipserve.config import ModelConfig
 from clipserve.preprocess import PreprocessSpec
+
+if TYPE_CHECKING:
+    from clipserve.config import ServerConfig
+    from clipserve.model import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -18,6 +24,36 @@ class ExecutorInfo:
     precision: str
     input_size: tuple[int, int]  # (height, width)
     embed_dim: int
+
+
+@dataclass(frozen=True)
+class ExecutorSpec:
+    """What a backend factory needs to build one executor, and nothing else of the server's
+    config: built once by `from_config`, so factories never read flags of other sections."""
+
+    backend: str  # a registered backend ("auto" is resolved before any factory sees it)
+    precision: str | None = None  # None: the backend's default for the device
+    threads: int = 0  # intra-op threads for CPU inference; 0 = one per core
+    compile: bool = False  # torch: torch.compile the model
+    batch_buckets: str = ""  # cuda-graphs: sizes to capture ("" = powers of two)
+    max_batch_size: int = 32  # the largest batch: warm-up, graph buckets, engine profiles
+    cache_dir: Path = Path(ModelConfig.cache_dir)  # exported ONNX graphs, TensorRT engines
+    options: Mapping[str, str] = field(default_factory=dict)  # --backend-option KEY=VALUE
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> ExecutorSpec:
+        """The spec for the configured backend ("auto" included: the runtime replaces it)."""
+        b = config.backend
+        return cls(
+            backend=b.backend,
+            precision=b.precision,
+            threads=b.threads,
+            compile=b.compile,
+            batch_buckets=b.batch_buckets,
+            max_batch_size=config.batching.max_batch_size,
+            cache_dir=Path(config.model.cache_dir),
+            options=b.options(),
+        )
 
 
 class Executor(Protocol):
@@ -58,6 +94,10 @@ class AsyncExecutor(Executor, Protocol):
     def launch(self, arrays: Sequence[np.ndarray], normalize: np.ndarray) -> object: ...
 
     def wait(self, launched: object) -> np.ndarray: ...
+
+
+# A backend's factory: (model, spec, device) → an executor, not yet warmed up.
+Factory = Callable[["LoadedModel", ExecutorSpec, str], Executor]
 
 
 def as_async(executor: Executor) -> AsyncExecutor | None:

@@ -16,20 +16,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from clipserve.backends.base import check_batch, warmup_sizes
+from clipserve.backends.base import ExecutorSpec, check_batch, warmup_sizes
 from clipserve.backends.device import device_context, fatal_device_errors
 from clipserve.backends.torch_eager import TorchExecutor, default_precision
 from clipserve.errors import StartupError
 
 if TYPE_CHECKING:
-    from clipserve.config import ServerConfig
     from clipserve.model import LoadedModel
 
 log = logging.getLogger(__name__)
 
 
-def available(device: str) -> bool:
-    return device.startswith("cuda") and torch.cuda.is_available()
+def unavailable_reason(backend: str, device: str) -> str | None:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return None
+    return f"not available on {device}"
 
 
 def parse_buckets(spec: str, max_batch_size: int) -> list[int]:
@@ -117,11 +118,11 @@ class CudaGraphExecutor(TorchExecutor):
             return static_out[:n].cpu().numpy()  # the copy waits for the replay on this stream
 
 
-def create(model: LoadedModel, config: ServerConfig, device: str) -> CudaGraphExecutor:
+def create(model: LoadedModel, spec: ExecutorSpec, device: str) -> CudaGraphExecutor:
     if not device.startswith("cuda"):
         raise StartupError(
             f"--backend cuda-graphs needs a CUDA device; --gpus resolved to {device}"
         )
-    precision = config.backend.precision or default_precision(device)
-    buckets = parse_buckets(config.backend.batch_buckets, config.batching.max_batch_size)
+    precision = spec.precision or default_precision(device)
+    buckets = parse_buckets(spec.batch_buckets, spec.max_batch_size)
     return CudaGraphExecutor(model, device, precision, buckets)

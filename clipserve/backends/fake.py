@@ -12,7 +12,14 @@ GPU. Options (`--backend-option KEY=VALUE`):
                    by the image's first value, so benchmarks measure the server, not the fake
   stream           1: a simulated GPU stream for the pipelined worker (--pipeline-depth 2 or
                    more): batches are launched and complete asynchronously, see below
+  fail_text        the text tower's fail_pixel: raise for a batch holding exactly this text
+  fatal_text       as fail_text, but raise ExecutorFatal (the text tower's device is lost)
+  nan_text         the embedding of exactly this text is all NaN
 Each `sim:N` device in `--gpus` gets its own instance, so multi-worker dispatch runs anywhere.
+
+The text tower is faked too (`FakeTextExecutor`): embeddings are a fixed function of the token
+ids, so a text always gets the same embedding and no model runs. latency_ms, per_item_ms,
+oom_above and compute apply to it as to images; stream does not (its worker is synchronous).
 
 With `stream=1` the fake is a simulated GPU for the pipelined worker: `launch` stacks the batch
 on the caller's thread (the host's share) and queues it on one "stream" thread per executor,
@@ -26,14 +33,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from clipserve.backends.base import (
     ExecutorInfo,
+    ExecutorSpec,
     check_batch,
     l2_normalise_rows,
     normalisation_affine,
@@ -41,15 +50,15 @@ from clipserve.backends.base import (
 from clipserve.errors import ExecutorFatal, StartupError
 
 if TYPE_CHECKING:
-    from clipserve.config import ServerConfig
     from clipserve.model import LoadedModel
     from clipserve.preprocess import PreprocessSpec
 
 _GRID = 4  # features are per-channel means over a 4x4 grid of cells
+_TOKEN_ROWS = 4096  # the fake text tower's table: one row per (token id, position) mod this
 
 
-def available(device: str) -> bool:
-    return False  # never picked by --backend auto
+def unavailable_reason(backend: str, device: str) -> str:
+    return "a fake: only on request"  # never picked by --backend auto
 
 
 class FakeExecutor:
@@ -171,7 +180,127 @@ class FakeExecutor:
             self._stream.shutdown(wait=False, cancel_futures=True)
 
 
-def _number(options: dict[str, str], key: str) -> float | None:
+class FakeTextExecutor:
+    """The text tower without a model: int64 token ids (N, context_length) → float32
+    (N, embed_dim), the sum of fixed random rows picked by each token id and its position (with
+    compute=0, one row picked by the first token after the start token). Texts given as markers
+    fail their batch, lose the device, or come back NaN, as marker pixels do for images."""
+
+    def __init__(
+        self,
+        context_length: int,
+        embed_dim: int,
+        device: str = "sim:0",
+        *,
+        latency_ms: float = 0.0,
+        per_item_ms: float = 0.0,
+        fail: np.ndarray | None = None,
+        fatal: np.ndarray | None = None,
+        nan: np.ndarray | None = None,
+        oom_above: int | None = None,
+        compute: bool = True,
+    ) -> None:
+        self.context_length = context_length
+        self.latency_s = latency_ms / 1000
+        self.per_item_s = per_item_ms / 1000
+        # Markers are whole token rows (a text as the tokenizer gives it), compared as bytes.
+        self.fail, self.fatal, self.nan = (
+            None if row is None else row.astype(np.int64).tobytes() for row in (fail, fatal, nan)
+        )
+        self.oom_above = oom_above
+        self.compute = compute
+        self.info = ExecutorInfo("fake-text", device, "fp32", (0, 0), embed_dim)
+        rng = np.random.default_rng(1)
+        self._table = rng.standard_normal((_TOKEN_ROWS, embed_dim)).astype(np.float32)
+        self._position = np.arange(context_length, dtype=np.int64) * 7919  # a prime stride
+        self._lock = threading.Lock()
+        self.batches: list[int] = []  # sizes of the batches run, in order (tests read this)
+        self.closed = False
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        if batch.dtype != np.int64 or batch.ndim != 2 or batch.shape[1] != self.context_length:
+            raise ValueError(f"expected int64 tokens (N, {self.context_length}); got "
+                             f"{batch.dtype} {batch.shape}")  # fmt: skip
+        time.sleep(self.latency_s + self.per_item_s * len(batch))
+        rows = [row.tobytes() for row in batch]
+        if self.fatal is not None and self.fatal in rows:
+            raise ExecutorFatal(f"simulated device loss on {self.info.device} (text)")
+        if self.fail is not None and self.fail in rows:
+            raise RuntimeError(f"simulated executor failure on {self.info.device} (text)")
+        if self.oom_above is not None and len(batch) > self.oom_above:
+            raise RuntimeError(f"CUDA out of memory (simulated on {self.info.device})")
+        with self._lock:
+            self.batches.append(len(batch))
+        out = self._embed(batch)
+        if self.nan is not None:
+            out[[row == self.nan for row in rows]] = np.nan
+        return out
+
+    def _embed(self, batch: np.ndarray) -> np.ndarray:
+        out: np.ndarray
+        if not self.compute:  # O(1) per text
+            out = self._table[batch[:, min(1, self.context_length - 1)] % _TOKEN_ROWS]
+            return out
+        picked = self._table[(batch + self._position) % _TOKEN_ROWS]  # (N, L, dim)
+        out = (picked * (batch != 0)[:, :, None]).sum(axis=1, dtype=np.float32)
+        return out
+
+    def warmup(self, batch_sizes: Sequence[int]) -> None:
+        for n in batch_sizes:  # the embedding only: warm-up never sleeps or fails
+            self._embed(np.zeros((n, self.context_length), dtype=np.int64))
+
+    def memory(self) -> int | None:
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass(frozen=True)
+class FakeOptions:
+    """`--backend-option`s, parsed and checked once for both towers."""
+
+    latency_ms: float = 0.0
+    per_item_ms: float = 0.0
+    fail_pixel: int | None = None
+    fatal_pixel: int | None = None
+    nan_pixel: int | None = None
+    oom_above: int | None = None
+    compute: bool = True
+    stream: bool = False
+    fail_text: str | None = None
+    fatal_text: str | None = None
+    nan_text: str | None = None
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> FakeOptions:
+        known = set(cls.__dataclass_fields__)
+        unknown = set(options) - known
+        if unknown:
+            raise StartupError(
+                f"--backend-option: the fake backend has no option {sorted(unknown)}"
+            )
+
+        def whole(key: str) -> int | None:
+            value = _number(options, key)
+            return None if value is None else int(value)
+
+        return cls(
+            latency_ms=_number(options, "latency_ms") or 0.0,
+            per_item_ms=_number(options, "per_item_ms") or 0.0,
+            fail_pixel=whole("fail_pixel"),
+            fatal_pixel=whole("fatal_pixel"),
+            nan_pixel=whole("nan_pixel"),
+            oom_above=whole("oom_above"),
+            compute=_number(options, "compute") != 0,
+            stream=bool(_number(options, "stream")),
+            fail_text=options.get("fail_text"),
+            fatal_text=options.get("fatal_text"),
+            nan_text=options.get("nan_text"),
+        )
+
+
+def _number(options: Mapping[str, str], key: str) -> float | None:
     if key not in options:
         return None
     try:
@@ -180,27 +309,38 @@ def _number(options: dict[str, str], key: str) -> float | None:
         raise StartupError(f"--backend-option {key}: expected a number") from None
 
 
-def create(model: LoadedModel, config: ServerConfig, device: str) -> FakeExecutor:
-    options = config.backend.options()
-    known = {
-        "latency_ms", "per_item_ms", "fail_pixel", "fatal_pixel", "nan_pixel", "oom_above",
-        "compute", "stream",
-    }  # fmt: skip
-    unknown = set(options) - known
-    if unknown:
-        raise StartupError(f"--backend-option: the fake backend has no option {sorted(unknown)}")
-    fail, fatal = _number(options, "fail_pixel"), _number(options, "fatal_pixel")
-    nan, oom = _number(options, "nan_pixel"), _number(options, "oom_above")
+def create(model: LoadedModel, spec: ExecutorSpec, device: str) -> FakeExecutor:
+    o = FakeOptions.parse(spec.options)
     return FakeExecutor(
         model.preprocess,
         model.embed_dim,
         device,
-        latency_ms=_number(options, "latency_ms") or 0.0,
-        per_item_ms=_number(options, "per_item_ms") or 0.0,
-        fail_pixel=None if fail is None else int(fail),
-        fatal_pixel=None if fatal is None else int(fatal),
-        nan_pixel=None if nan is None else int(nan),
-        oom_above=None if oom is None else int(oom),
-        compute=_number(options, "compute") != 0,
-        stream=bool(_number(options, "stream")),
+        latency_ms=o.latency_ms,
+        per_item_ms=o.per_item_ms,
+        fail_pixel=o.fail_pixel,
+        fatal_pixel=o.fatal_pixel,
+        nan_pixel=o.nan_pixel,
+        oom_above=o.oom_above,
+        compute=o.compute,
+        stream=o.stream,
+    )
+
+
+def create_text(model: LoadedModel, spec: ExecutorSpec, device: str) -> FakeTextExecutor:
+    o = FakeOptions.parse(spec.options)
+
+    def marker(text: str | None) -> np.ndarray | None:
+        return None if text is None else model.tokenize([text])[0]
+
+    return FakeTextExecutor(
+        model.context_length,
+        model.embed_dim,
+        device,
+        latency_ms=o.latency_ms,
+        per_item_ms=o.per_item_ms,
+        fail=marker(o.fail_text),
+        fatal=marker(o.fatal_text),
+        nan=marker(o.nan_text),
+        oom_above=o.oom_above,
+        compute=o.compute,
     )

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from clipserve.backends.base import ExecutorInfo, check_batch
+from clipserve.backends.base import ExecutorInfo, ExecutorSpec, check_batch
 from clipserve.backends.device import cuda_index, fatal_device_errors
 from clipserve.backends.onnx_export import (
     INPUT,
@@ -46,7 +46,6 @@ from clipserve.config import resolve_workers
 from clipserve.errors import StartupError
 
 if TYPE_CHECKING:
-    from clipserve.config import ServerConfig
     from clipserve.model import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -344,10 +343,13 @@ class OrtExecutor:
         del self.image, self.normalize, self._x, self._y
 
 
-def create_ort(
-    backend: str, model: LoadedModel, config: ServerConfig, device: str, *, profiling: bool = False
+def create(
+    model: LoadedModel, spec: ExecutorSpec, device: str, *, profiling: bool = False
 ) -> OrtExecutor:
-    precision = config.backend.precision or DEFAULT_PRECISION[backend]
+    """ort-cpu, ort-cuda or ort-trt (`spec.backend`) on `device`; `profiling` writes ORT's
+    trace for `clipserve profile`."""
+    backend = spec.backend
+    precision = spec.precision or DEFAULT_PRECISION[backend]
     if precision not in SUPPORTED_PRECISIONS[backend]:
         raise StartupError(
             f"--precision {precision}: backend {backend} supports "
@@ -365,32 +367,7 @@ def create_ort(
     check_providers(backend, device, ort.get_available_providers(), installed=True)
     # TensorRT takes the FP32 graph and builds FP16 kernels itself (trt_fp16_enable).
     graph_precision = "fp32" if backend == "ort-trt" else precision
-    exported = cached_export(model, Path(config.model.cache_dir), graph_precision)
-    threads = resolve_workers(config.backend.threads) if device == "cpu" else 1
+    exported = cached_export(model, spec.cache_dir, graph_precision)
+    threads = resolve_workers(spec.threads) if device == "cpu" else 1
     return OrtExecutor(exported, model, backend, device, precision, threads=threads,
-                       max_batch_size=config.batching.max_batch_size,
-                       enable_profiling=profiling)  # fmt: skip
-
-
-def create_cpu(model: LoadedModel, config: ServerConfig, device: str) -> OrtExecutor:
-    return create_ort("ort-cpu", model, config, device)
-
-
-def create_cuda(model: LoadedModel, config: ServerConfig, device: str) -> OrtExecutor:
-    return create_ort("ort-cuda", model, config, device)
-
-
-def create_trt(model: LoadedModel, config: ServerConfig, device: str) -> OrtExecutor:
-    return create_ort("ort-trt", model, config, device)
-
-
-def available_cpu(device: str) -> bool:
-    return unavailable_reason("ort-cpu", device) is None
-
-
-def available_cuda(device: str) -> bool:
-    return unavailable_reason("ort-cuda", device) is None
-
-
-def available_trt(device: str) -> bool:
-    return unavailable_reason("ort-trt", device) is None
+                       max_batch_size=spec.max_batch_size, enable_profiling=profiling)  # fmt: skip

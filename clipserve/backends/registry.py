@@ -1,46 +1,75 @@
-"""Backends by name, each imported only when chosen, so optional dependencies stay optional."""
+"""Backends by name. An entry's `load` imports the backend's module only when that backend is
+chosen, so optional dependencies stay optional, and returns what the module provides: a factory
+`(model, spec, device) -> Executor` for the image tower, optionally one for the text tower, and
+the reason it cannot run on a device, if any."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from clipserve.backends.base import Executor
+from clipserve.backends.base import Executor, ExecutorSpec, Factory
 from clipserve.errors import StartupError
 
 if TYPE_CHECKING:
-    from clipserve.config import ServerConfig
     from clipserve.model import LoadedModel
 
 log = logging.getLogger(__name__)
 
-Factory = Callable[["LoadedModel", "ServerConfig", str], Executor]
+
+@dataclass(frozen=True)
+class Implementation:
+    """What a backend's module provides, once imported."""
+
+    create: Factory
+    # (backend, device) → why that backend cannot run on that device, or None if it may
+    # (building it may still fail: `--backend auto` then tries the next).
+    unavailable_reason: Callable[[str, str], str | None]
+    create_text: Factory | None = None  # the text tower; None: PyTorch's (text_torch)
 
 
 @dataclass(frozen=True)
 class BackendEntry:
-    module: str
+    load: Callable[[], Implementation]  # imports the backend's module; may raise ImportError
     extra: str | None  # the pip extra that provides its dependencies
     gpu_only: bool = False
     simulated: bool = False  # runs on simulated devices; needs no hardware
-    create: str = "create"  # module attribute: (model, config, device) -> Executor
-    available: str = "available"  # module attribute: (device) -> bool
+
+
+def _torch() -> Implementation:
+    from clipserve.backends import torch_eager
+
+    return Implementation(torch_eager.create, torch_eager.unavailable_reason)
+
+
+def _cuda_graphs() -> Implementation:
+    from clipserve.backends import cuda_graphs
+
+    return Implementation(cuda_graphs.create, cuda_graphs.unavailable_reason)
+
+
+def _ort() -> Implementation:
+    from clipserve.backends import ort
+
+    return Implementation(ort.create, ort.unavailable_reason)
+
+
+def _fake() -> Implementation:
+    from clipserve.backends import fake
+
+    return Implementation(fake.create, fake.unavailable_reason, create_text=fake.create_text)
 
 
 BACKENDS: dict[str, BackendEntry] = {
-    "torch": BackendEntry("clipserve.backends.torch_eager", None),
-    "cuda-graphs": BackendEntry("clipserve.backends.cuda_graphs", None, gpu_only=True),
-    "ort-cpu": BackendEntry("clipserve.backends.ort", None, create="create_cpu",
-                            available="available_cpu"),
-    "ort-cuda": BackendEntry("clipserve.backends.ort", "cuda", gpu_only=True,
-                             create="create_cuda", available="available_cuda"),
-    "ort-trt": BackendEntry("clipserve.backends.ort", "tensorrt", gpu_only=True,
-                            create="create_trt", available="available_trt"),
-    "fake": BackendEntry("clipserve.backends.fake", None, simulated=True),
-}  # fmt: skip
+    "torch": BackendEntry(_torch, None),
+    "cuda-graphs": BackendEntry(_cuda_graphs, None, gpu_only=True),
+    "ort-cpu": BackendEntry(_ort, None),
+    "ort-cuda": BackendEntry(_ort, "cuda", gpu_only=True),
+    "ort-trt": BackendEntry(_ort, "tensorrt", gpu_only=True),
+    "fake": BackendEntry(_fake, None, simulated=True),
+}
 
 # `--backend auto` tries these in order, keeping the first that is available on the device and
 # starts there (runtime.py); each one skipped is logged with its reason.
@@ -49,10 +78,10 @@ BACKENDS: dict[str, BackendEntry] = {
 AUTO_ORDER = ("ort-trt", "cuda-graphs", "ort-cuda", "torch", "ort-cpu")
 
 
-def _module(name: str) -> object:
+def _load(name: str) -> Implementation:
     entry = BACKENDS[name]
     try:
-        return importlib.import_module(entry.module)
+        return entry.load()
     except ImportError as e:
         hint = f"pip install 'clipserve[{entry.extra}]'" if entry.extra else "reinstall clipserve"
         raise StartupError(f"--backend {name}: missing dependency ({e}); {hint}") from None
@@ -88,20 +117,14 @@ def resolve_devices(gpus: str, backend: str) -> list[str]:
 
 
 def unavailable_reason(name: str, device: str) -> str | None:
-    """Why backend `name` cannot run on `device`, or None if it may (building it may still fail).
-    A backend module may explain itself with `unavailable_reason(backend, device) -> str | None`."""
-    entry = BACKENDS[name]
-    if entry.gpu_only and not device.startswith("cuda"):
+    """Why backend `name` cannot run on `device`, or None if it may (building it may still fail)."""
+    if BACKENDS[name].gpu_only and not device.startswith("cuda"):
         return "needs a CUDA device"
     try:
-        module = _module(name)
+        implementation = _load(name)
     except StartupError as e:
         return str(e)
-    available: Callable[[str], bool] = getattr(module, entry.available)
-    if available(device):
-        return None
-    explain: Callable[[str, str], str | None] | None = getattr(module, "unavailable_reason", None)
-    return (explain(name, device) if explain else None) or f"not available on {device}"
+    return implementation.unavailable_reason(name, device)
 
 
 def backend_candidates(name: str, device: str) -> list[str]:
@@ -127,10 +150,22 @@ def backend_candidates(name: str, device: str) -> list[str]:
     return candidates
 
 
-def create_executor(name: str, model: LoadedModel, config: ServerConfig, device: str) -> Executor:
-    module = _module(name)
-    entry = BACKENDS[name]
-    if entry.gpu_only and not device.startswith("cuda"):
-        raise StartupError(f"--backend {name} needs a CUDA device; --gpus resolved to {device}")
-    factory: Factory = getattr(module, entry.create)
-    return factory(model, config, device)
+def create_executor(model: LoadedModel, spec: ExecutorSpec, device: str) -> Executor:
+    """The image tower of backend `spec.backend` on `device`, not yet warmed up."""
+    implementation = _load(spec.backend)
+    if BACKENDS[spec.backend].gpu_only and not device.startswith("cuda"):
+        raise StartupError(
+            f"--backend {spec.backend} needs a CUDA device; --gpus resolved to {device}"
+        )
+    return implementation.create(model, spec, device)
+
+
+def create_text_executor(model: LoadedModel, spec: ExecutorSpec, device: str) -> Executor:
+    """The text tower beside `spec.backend`'s image tower on `device`: the backend's own where
+    it has one (the fake), else PyTorch's, which every installation has."""
+    create = _load(spec.backend).create_text
+    if create is None:
+        from clipserve.backends import text_torch
+
+        create = text_torch.create
+    return create(model, spec, device)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from clipserve.backends.base import ExecutorInfo
+from clipserve.backends.base import ExecutorInfo, ExecutorSpec
 from clipserve.backends.device import device_context, fatal_device_errors
 from clipserve.backends.torch_eager import default_precision
 
@@ -72,3 +72,11 @@ class TextExecutor:
         if self.is_cuda:
             with device_context(self.info.device):
                 torch.cuda.empty_cache()
+
+
+def create(model: LoadedModel, spec: ExecutorSpec, device: str) -> TextExecutor:
+    """The text tower beside any image backend: at its precision on CUDA, FP32 elsewhere; a
+    simulated device's text tower runs on the CPU."""
+    if device.startswith("cuda"):
+        return TextExecutor(model, device, spec.precision)
+    return TextExecutor(model, "cpu" if device.startswith("sim") else device, "fp32")

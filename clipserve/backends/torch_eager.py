@@ -23,6 +23,7 @@ import torch
 
 from clipserve.backends.base import (
     ExecutorInfo,
+    ExecutorSpec,
     check_batch,
     l2_normalise_rows,
     normalisation_affine,
@@ -32,7 +33,6 @@ from clipserve.config import resolve_workers
 from clipserve.errors import StartupError
 
 if TYPE_CHECKING:
-    from clipserve.config import ServerConfig
     from clipserve.model import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,10 @@ log = logging.getLogger(__name__)
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
-def available(device: str) -> bool:
-    return device == "cpu" or (device.startswith("cuda") and torch.cuda.is_available())
+def unavailable_reason(backend: str, device: str) -> str | None:
+    if device == "cpu" or (device.startswith("cuda") and torch.cuda.is_available()):
+        return None
+    return f"not available on {device}"
 
 
 def default_precision(device: str) -> str:
@@ -92,9 +94,9 @@ class _Launched:
     rows: np.ndarray | None = None
 
 
-def configure_cpu_threads(config: ServerConfig) -> int:
+def configure_cpu_threads(requested: int) -> int:
     """Intra-op threads are process-wide in PyTorch; set them once from --threads."""
-    threads = resolve_workers(config.backend.threads)
+    threads = resolve_workers(requested)
     torch.set_num_threads(threads)
     return threads
 
@@ -279,9 +281,9 @@ class TorchExecutor:
                 torch.cuda.empty_cache()
 
 
-def create(model: LoadedModel, config: ServerConfig, device: str) -> TorchExecutor:
-    precision = config.backend.precision or default_precision(device)
+def create(model: LoadedModel, spec: ExecutorSpec, device: str) -> TorchExecutor:
+    precision = spec.precision or default_precision(device)
     check_precision("torch", precision, device)
     if device == "cpu":
-        configure_cpu_threads(config)
-    return TorchExecutor(model, device, precision, compile=config.backend.compile)
+        configure_cpu_threads(spec.threads)
+    return TorchExecutor(model, device, precision, compile=spec.compile)
