@@ -26,7 +26,7 @@ from clipserve.bench.payloads import Request
 from clipserve.bench.procs import clipserve_server
 from clipserve.bench.runner import run_point
 from clipserve.config import load_config
-from clipserve.runtime import build_runtime
+from clipserve.executors import build_runtime
 
 
 def timed(fn: object, repeat: int) -> list[float]:

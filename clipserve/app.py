@@ -22,10 +22,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clipserve import errors, kserve_api, openai_api, routes
 from clipserve.config import ServerConfig
+from clipserve.executors import Runtime, build_runtime
 from clipserve.metrics import Metrics
 from clipserve.pipeline import ClientGone, Pipeline, Serving, Tower
 from clipserve.protocol.responses import encode_error
-from clipserve.runtime import Runtime, build_runtime
 from clipserve.towers import Towers, add_status_gauges
 
 log = logging.getLogger(__name__)

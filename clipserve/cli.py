@@ -100,8 +100,8 @@ def serve(config: ServerConfig) -> int:
         return supervise(config)
 
     from clipserve.app import create_app
+    from clipserve.executors import build_runtime
     from clipserve.http_server import build_uvicorn_config, ensure_fd_limit
-    from clipserve.runtime import build_runtime
 
     # Built before uvicorn starts so a failure is one line and a non-zero exit, not a traceback
     # from inside the lifespan protocol.

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from clipserve.batching import Batcher
+from clipserve.executors import Runtime
 from clipserve.metrics import Metrics
-from clipserve.runtime import Runtime
 
 
 @dataclass(frozen=True)

@@ -72,9 +72,9 @@ BACKENDS: dict[str, BackendEntry] = {
 }
 
 # `--backend auto` tries these in order, keeping the first that is available on the device and
-# starts there (runtime.py); each one skipped is logged with its reason.
+# starts there (executors.py); each one skipped is logged with its reason.
 # On the CPU torch comes before ort-cpu: faster at every batch size measured here
-# (bench/results/executors-cpu.json), once torch runs on a single OpenMP team (runtime.py).
+# (bench/results/executors-cpu.json), once torch runs on a single OpenMP team (executors.py).
 AUTO_ORDER = ("ort-trt", "cuda-graphs", "ort-cuda", "torch", "ort-cpu")
 
 

@@ -21,8 +21,8 @@ from clipserve.config import ServerConfig
 from clipserve.engine import wire
 from clipserve.engine.slots import SlotArena
 from clipserve.errors import ClipserveError, ExecutorFailed, NotReady, StartupError
+from clipserve.executors import Runtime
 from clipserve.metrics import Metrics
-from clipserve.runtime import Runtime
 from clipserve.towers import Towers
 
 log = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ def engine_main(
     """The engine process's entry: build, warm up, tell the supervisor, serve until SIGTERM."""
     from clipserve.cli import configure_logging
     from clipserve.engine.supervisor import watch_parent
-    from clipserve.runtime import build_runtime
+    from clipserve.executors import build_runtime
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the
     # supervisor drains the front ends first, then stops the engine with SIGTERM.

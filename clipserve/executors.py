@@ -1,4 +1,5 @@
-"""The heavy objects a server needs: the model, one warmed-up executor per device, the decoder.
+"""The executors: the model loaded once, one warmed-up executor per device and tower, each on
+the one thread that runs it (`Runtime`, built by `build_runtime`), and the image decoder.
 
 Each device gets one thread that builds, warms up and later runs its executor; no other thread
 ever runs the model. On the CPU this matters: every thread that runs a torch op gets its own
