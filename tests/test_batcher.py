@@ -64,7 +64,11 @@ async def submit(
     deadline = None if timeout_s is None else time.perf_counter() + timeout_s
     ticket = batcher.admit(len(marks), deadline)
     arrays = [image(m) for m in marks]
-    done = await batcher.run(ticket, arrays, normalize=normalize, request_id="t", deadline=deadline)
+    try:
+        done = await batcher.run(ticket, arrays, normalize=normalize, request_id="t",
+                                 deadline=deadline)  # fmt: skip
+    finally:
+        ticket.release_all()  # the caller owns its admission, as the pipeline does
     return done.embeddings
 
 

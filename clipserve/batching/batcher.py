@@ -153,6 +153,9 @@ class Batcher:
     ) -> Completed:
         """Queue the arrays and wait for their embeddings. Cancelling drops unstarted items.
 
+        The ticket stays its caller's: items give back their share as they start, and whoever
+        admitted the request (the pipeline; the engine for a front end) releases what is left.
+
         Items still queued when `deadline` (`time.perf_counter()`; the ticket's by default)
         passes, or too close to it to finish, never reach the executor: this raises
         RequestTimeout. The caller's own timeout ends the wait for items already computing.
@@ -178,8 +181,6 @@ class Batcher:
                 index = next(i for i, it in enumerate(items) if _failed_with(it, exc))
                 raise with_item_index(exc, index) from None
             raise
-        finally:
-            ticket.release_all()
         return Completed(
             np.stack(rows),
             queue_s=max(item.started_at - item.enqueued_at for item in items),
