@@ -202,7 +202,9 @@ async def _towers(
         link = EngineLink(socket_path, config, card)
         try:
             await link.start(ENGINE_CONNECT_TIMEOUT_S)
-            front = await asyncio.to_thread(FrontRuntime.from_card, card, config)
+            front = await asyncio.to_thread(
+                FrontRuntime.from_card, card, config, link.arena.slot_bytes
+            )
             add_status_gauges(metrics, link.snapshot)
             yield front, RemoteTower(link, "image"), RemoteTower(link, "text")
         finally:

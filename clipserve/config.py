@@ -19,6 +19,7 @@ from clipserve.errors import ConfigError
 
 ENV_PREFIX = "CLIPSERVE_"
 PRECISIONS = ("fp32", "fp16")
+DECODERS = ("cpu", "gpu")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -49,6 +50,12 @@ class BackendConfig:
     compile: bool = _opt(False, "torch backends: compile the model with torch.compile")
     batch_buckets: str = _opt(
         "", "cuda-graphs: batch sizes to capture, e.g. 1,4,16,32; default: powers of two"
+    )
+    decode: str = _opt(
+        "cpu",
+        "where JPEGs are decoded: cpu (the decode pool, Pillow) or gpu (in batches on each "
+        "device by nvJPEG, just before the forward pass; on a CPU device, torchvision's decoder)",
+        choices=DECODERS,
     )
     backend_option: tuple[str, ...] = _opt(
         (), "KEY=VALUE passed to the executor (repeatable; env: comma-separated)"
@@ -291,6 +298,7 @@ def validate(config: ServerConfig) -> None:
     )
     _require(lim.decode_workers >= 0, "decode_workers", "must not be negative (0 = auto)")
     _require(be.threads >= 0, "threads", "must not be negative (0 = auto)")
+    _require(be.decode in DECODERS, "decode", f"must be one of {', '.join(DECODERS)}")
     _require(
         be.precision is None or be.precision in PRECISIONS,
         "precision",

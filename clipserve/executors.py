@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures.thread import BrokenThreadPool
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -51,6 +52,10 @@ class Runtime:
     # text_executors[i] run on text_threads[i]: threads[i] on the CPU, a thread of its own on CUDA
     text_threads: list[ThreadPoolExecutor]
     decoder: ImageDecoder
+    # --decode gpu: one batch decoder per device (built on its thread), and what admission
+    # runs in the pool instead of the decoder (header checks; JPEG bytes pass through).
+    device_decoders: list[Any] = field(default_factory=list)
+    image_input: Callable[[bytes], np.ndarray] | None = None
 
     def tokenize(self, texts: list[str]) -> np.ndarray:
         """CPU work: run it in the decode pool."""
@@ -215,6 +220,23 @@ def build_runtime(config: ServerConfig) -> Runtime:
         _close(executors, text_executors, threads, text_threads, wait=False)
         raise
     decoder = ImageDecoder.from_limits(model.preprocess, config.limits)
-    return Runtime(
+    runtime = Runtime(
         config, model, spec.backend, executors, text_executors, threads, text_threads, decoder
     )
+    if config.backend.decode == "gpu":
+        _add_device_decoders(runtime, devices)
+    return runtime
+
+
+def _add_device_decoders(runtime: Runtime, devices: list[str]) -> None:
+    """--decode gpu: a batch decoder per device, made on the device's own thread (simulated
+    devices decode on the CPU, with the same code)."""
+    from clipserve.gpu_decode import DeviceDecoder, EncodedAtAdmission
+
+    for device, thread in zip(devices, runtime.threads, strict=True):
+        where = device if device.startswith("cuda") else "cpu"
+        runtime.device_decoders.append(
+            thread.submit(DeviceDecoder, runtime.decoder, where).result()
+        )
+    runtime.image_input = EncodedAtAdmission(runtime.decoder)
+    log.info("--decode gpu: JPEGs decode in batches on %s", ", ".join(devices))

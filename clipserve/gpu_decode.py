@@ -317,3 +317,21 @@ class DeviceDecoder:
 def crops_numpy(batch: DecodedBatch) -> np.ndarray:
     """The batch's crops as host uint8 NHWC (tests, benchmarks, and executors that take numpy)."""
     return np.ascontiguousarray(batch.pixels.cpu().numpy())
+
+
+class EncodedAtAdmission:
+    """`--decode gpu` at admission, in the decode pool: the host's header checks only. A JPEG
+    the device will decode passes through as its bytes (a 1-D uint8 array: the batcher keeps
+    such items together and the device worker decodes them as a batch); anything else (PNG,
+    WebP, CMYK, a file over `max_bytes`) is decoded here as with `--decode cpu`."""
+
+    def __init__(self, host: ImageDecoder, max_bytes: int | None = None) -> None:
+        self.host = host
+        self.max_bytes = max_bytes  # a front end's slot: longer files are decoded here
+        self._checker = DeviceDecoder(host, "cpu")
+
+    def __call__(self, data: bytes) -> np.ndarray:
+        header = self._checker.check(data)  # the CPU path's ClipserveError, if any
+        if header.on_device and (self.max_bytes is None or len(data) <= self.max_bytes):
+            return np.frombuffer(data, np.uint8)
+        return self.host(data)

@@ -48,6 +48,7 @@ class Serving(Protocol):
     model: LoadedModel
     backend: str
     decoder: ImageDecoder
+    image_input: Callable[[bytes], np.ndarray] | None  # --decode gpu: checks, not decoding
 
     @property
     def devices(self) -> list[str]: ...
@@ -334,7 +335,9 @@ class Pipeline:
     async def _images(self, work: ImageWork) -> Sequence[np.ndarray]:
         if work.tensor is not None:
             return list(work.tensor)  # zero-copy rows; stacked on the device thread
-        jobs = [self.in_pool(self.runtime.decoder, data) for data in work.images]
+        # The decoder, or with --decode gpu the header checks (JPEG bytes pass through).
+        prepare = self.runtime.image_input or self.runtime.decoder
+        jobs = [self.in_pool(prepare, data) for data in work.images]
         results = await asyncio.gather(*jobs, return_exceptions=True)
         for index, result in enumerate(results):
             if isinstance(result, ClipserveError):

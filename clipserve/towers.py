@@ -38,7 +38,8 @@ class Towers:
         """Create inside the event loop that will run them. The text tower has its own queue
         and workers (and on CUDA its own device threads)."""
         batching = runtime.config.batching
-        image = Batcher(runtime.executors, batching, metrics, runtime.threads)
+        image = Batcher(runtime.executors, batching, metrics, runtime.threads,
+                        decoders=runtime.device_decoders or None)  # fmt: skip
         text = Batcher(runtime.text_executors, batching, metrics, runtime.text_threads, "text")
         return cls(image, text, runtime)
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -16,6 +17,8 @@ from clipserve.batching.queue import Admission, BatchQueue, Ticket, WorkItem
 from clipserve.batching.worker import DeviceWorker
 from clipserve.config import BatchingConfig
 from clipserve.errors import (
+    ImageTooLarge,
+    InvalidImage,
     NonFiniteEmbedding,
     NotReady,
     Overloaded,
@@ -43,6 +46,7 @@ class Batcher:
         metrics: Metrics,
         threads: Sequence[ThreadPoolExecutor | None] | None = None,
         kind: str = "image",
+        decoders: Sequence[Any | None] | None = None,
     ) -> None:
         self.max_batch_size = config.max_batch_size
         self.admission = Admission(config.max_queue_size)
@@ -57,12 +61,18 @@ class Batcher:
                 max_batch_size=config.max_batch_size,
                 max_delay_s=config.max_queue_delay_ms / 1000,
                 pipeline_depth=config.pipeline_depth,
+                decoder=decoder,
                 metrics=metrics,
                 thread=thread,
                 on_death=self._on_worker_death,
                 kind=kind,
             )
-            for ex, thread in zip(executors, threads or [None] * len(executors), strict=True)
+            for ex, thread, decoder in zip(
+                executors,
+                threads or [None] * len(executors),
+                decoders or [None] * len(executors),
+                strict=True,
+            )
         ]
 
     def _on_worker_death(self) -> None:
@@ -177,7 +187,7 @@ class Batcher:
                 if not item.future.cancel() and not item.future.cancelled():
                     item.future.exception()  # retrieved: asyncio logs none as never retrieved
             self.queue.discard(items)
-            if isinstance(exc, NonFiniteEmbedding) and len(items) > 1:
+            if isinstance(exc, ITEM_ERRORS) and len(items) > 1:
                 index = next(i for i, it in enumerate(items) if _failed_with(it, exc))
                 raise with_item_index(exc, index) from None
             raise
@@ -186,6 +196,11 @@ class Batcher:
             queue_s=max(item.started_at - item.enqueued_at for item in items),
             compute_s=max(item.finished_at - item.started_at for item in items),
         )
+
+
+# Errors of one item's own input (a NaN row; with --decode gpu, an image the device worker could
+# not decode): in a list, they name the item.
+ITEM_ERRORS = (NonFiniteEmbedding, InvalidImage, ImageTooLarge)
 
 
 def _failed_with(item: WorkItem, exc: BaseException) -> bool:

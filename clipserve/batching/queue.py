@@ -16,6 +16,12 @@ import numpy as np
 from clipserve.errors import Overloaded, RequestTimeout
 
 
+def is_encoded(array: np.ndarray) -> bool:
+    """An image still encoded (`--decode gpu`: a JPEG's bytes); crops are (H, W, 3), tensors
+    (3, H, W), token rows are int64."""
+    return array.ndim == 1 and array.dtype == np.uint8
+
+
 class Admission:
     """Counts images admitted and not yet computing, so decode backlog and queue stay bounded."""
 
@@ -76,7 +82,10 @@ class WorkItem:
 
     @property
     def kind(self) -> tuple[str, tuple[int, ...]]:
-        """Items of one kind can be stacked into one batch."""
+        """Items of one kind can be stacked into one batch; encoded images of any length
+        batch together (the device worker decodes them into crops first)."""
+        if is_encoded(self.array):
+            return ("encoded", ())
         return (self.array.dtype.str, self.array.shape)
 
 

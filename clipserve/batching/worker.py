@@ -17,13 +17,14 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from clipserve.backends.base import Executor, as_async, l2_normalise_rows
 from clipserve.backends.device import select_device
 from clipserve.batching.cost import CostModel
-from clipserve.batching.queue import BatchQueue, WorkItem
+from clipserve.batching.queue import BatchQueue, WorkItem, is_encoded
 from clipserve.errors import (
     ClipserveError,
     ExecutorFailed,
@@ -84,11 +85,15 @@ class DeviceWorker:
         on_death: Callable[[], None] = lambda: None,
         kind: str = "image",
         pipeline_depth: int = 1,
+        decoder: Any = None,
     ) -> None:
         """`pipeline_depth` batches may be in flight at once where the executor is asynchronous
         (`as_async`); a synchronous executor always runs one at a time."""
         self.kind = kind
         self.executor = executor
+        # --decode gpu: a gpu_decode.DeviceDecoder that turns a batch of JPEG bytes into crops
+        # on this worker's device thread, just before the forward pass.
+        self.decoder = decoder
         self.device = executor.info.device
         self.queue = queue
         self.max_batch_size = max_batch_size
@@ -211,6 +216,15 @@ class DeviceWorker:
                 self.max_batch_size, self.max_delay_s, self._batch_seconds
             )
             batch = self._take(items)
+            if self.decoder is not None and is_encoded(items[0].array):
+                batch.outcome = await self._decode(batch)
+                if batch.outcome is not None:  # the decoder itself failed: answer all
+                    launched.put_nowait(batch)
+                    continue
+                if not batch.items:  # every image failed to decode: answered already
+                    self._inflight.remove(batch)
+                    slots.release()
+                    continue
             if self.asynchronous is None:
                 batch.outcome = await self._compute_on_thread(batch, None)
             else:
@@ -230,6 +244,35 @@ class DeviceWorker:
         batch = _Batch(items, started, np.array([item.normalize for item in items]))
         self._inflight.append(batch)
         return batch
+
+    async def _decode(self, batch: _Batch) -> Outcome | None:
+        """JPEG bytes → crops on the device thread; an image that fails is answered with its
+        own error (the rest of the batch goes on), and leaves the batch."""
+        loop = asyncio.get_running_loop()
+        encoded = [item.array.tobytes() for item in batch.items]
+        try:
+            crops, ok, errors = await loop.run_in_executor(self._thread, self._decoded, encoded)
+        except ExecutorFatal as exc:  # the device is gone: as a failed forward pass would be
+            return Outcome([NotReady(_LOST) for _ in batch.items], fatal=exc)
+        except Exception as exc:
+            return Outcome([ExecutorFailed("internal error") for _ in batch.items], errors=[exc])
+        for index, error in errors.items():
+            batch.items[index].future.set_exception(error)
+        for row, index in enumerate(ok):
+            batch.items[index].array = crops[row]
+        batch.items = [batch.items[i] for i in ok]
+        batch.mask = batch.mask[ok]
+        return None
+
+    def _decoded(
+        self, encoded: list[bytes]
+    ) -> tuple[np.ndarray, list[int], dict[int, ClipserveError]]:
+        from clipserve.gpu_decode import crops_numpy
+
+        decoded = self.decoder.decode(encoded)
+        # Crops come back to the host and the executor copies them in again (~150 KB each
+        # way per image): decoding straight into its device input is the next step.
+        return crops_numpy(decoded), decoded.ok, decoded.errors
 
     def _launch(self, batch: _Batch) -> tuple[object, float]:
         """On the device thread: returns once the batch is queued on the device."""

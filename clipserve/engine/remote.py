@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,9 +61,10 @@ class FrontRuntime:
     precision: str
     decoder: ImageDecoder
     workers: int  # front-end processes sharing the host's cores
+    image_input: Callable[[bytes], np.ndarray] | None = None
 
     @classmethod
-    def from_card(cls, card: dict[str, Any], config: ServerConfig) -> FrontRuntime:
+    def from_card(cls, card: dict[str, Any], config: ServerConfig, slot_bytes: int) -> FrontRuntime:
         import open_clip
 
         from clipserve.model import resolve_name
@@ -82,8 +83,13 @@ class FrontRuntime:
             open_clip.get_tokenizer(card["name"]), int(card["context_length"]),
         )  # fmt: skip
         decoder = ImageDecoder.from_limits(spec, config.limits)
+        image_input = None
+        if config.backend.decode == "gpu":  # the engine decodes JPEGs that fit a slot
+            from clipserve.gpu_decode import EncodedAtAdmission
+
+            image_input = EncodedAtAdmission(decoder, max_bytes=slot_bytes)
         return cls(served_config(config, card), model, card["backend"], list(card["devices"]),
-                   card["precision"], decoder, config.http.workers)  # fmt: skip
+                   card["precision"], decoder, config.http.workers, image_input)  # fmt: skip
 
     def tokenize(self, texts: list[str]) -> np.ndarray:
         return self.model.tokenize(texts)
@@ -278,8 +284,9 @@ class RemoteTower:
         request_id: str,
     ) -> Completed:  # fmt: skip
         first = arrays[0]
-        if any(a.shape != first.shape or a.dtype != first.dtype for a in arrays):
-            raise ValueError("a request's items must share one shape and dtype")
+        if any(a.dtype != first.dtype for a in arrays):
+            raise ValueError("a request's items must share one dtype")
+        shapes = [list(a.shape) for a in arrays]  # JPEG bytes (--decode gpu) differ in length
         slots = self.link.arena.take(len(arrays))  # Overloaded when none are left
         for slot, array in zip(slots, arrays, strict=True):
             self.link.arena.write(slot, array)
@@ -288,7 +295,7 @@ class RemoteTower:
         ticket.settled = True  # the engine releases the admission as the items start
         self.link.send({
             "t": "run", "id": rid, "ids": ticket.ids, "tower": self.kind, "slots": slots,
-            "dtype": first.dtype.str, "shape": list(first.shape), "normalize": normalize,
+            "dtype": first.dtype.str, "shapes": shapes, "normalize": normalize,
             "rid": request_id,
         })  # fmt: skip
         try:

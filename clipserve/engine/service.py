@@ -202,8 +202,9 @@ class EngineService:
         rid, slots = msg["id"], msg["slots"]
         reply: dict[str, Any]
         try:
-            shape, dtype = tuple(msg["shape"]), msg["dtype"]
-            arrays = [arena.view(slot, dtype, shape) for slot in slots]
+            dtype = msg["dtype"]
+            arrays = [arena.view(s, dtype, tuple(shape)) for s, shape in zip(slots, msg["shapes"],
+                                                                          strict=True)]  # fmt: skip
             completed = await self._batcher(msg["tower"]).run(
                 ticket, arrays, normalize=bool(msg["normalize"]), request_id=str(msg["rid"])
             )

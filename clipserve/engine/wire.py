@@ -3,7 +3,7 @@
 Front end → engine (`id` is the front end's number for one request's tower work):
   hello   {pid, path, count, slot_bytes}     its slot file; answered by `card`
   admit   {id, tower, n, wait_s}             reserve n places (the global bounded queue)
-  run     {id, ids, tower, slots, dtype, shape, normalize, rid}   items are in the slots;
+  run     {id, ids, tower, slots, dtype, shapes, normalize, rid}  items are in the slots;
                                              `ids`: the admissions it uses (id is the first)
   release {ids}                              give back admissions never run (no answer)
   cancel  {id}                               the client went away (answered as `run` is)
