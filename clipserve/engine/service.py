@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -20,7 +21,7 @@ from clipserve.batching import Batcher, Ticket
 from clipserve.config import ServerConfig
 from clipserve.engine import wire
 from clipserve.engine.slots import SlotArena
-from clipserve.errors import ClipserveError, ExecutorFailed, NotReady, StartupError
+from clipserve.errors import ClipserveError, NotReady, StartupError
 from clipserve.executors import Runtime
 from clipserve.metrics import Metrics
 from clipserve.towers import Towers
@@ -60,7 +61,7 @@ class FrontEnd:
     arena: SlotArena | None = None
     pid: int = 0
     tickets: dict[int, Ticket] = field(default_factory=dict)
-    runs: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    runs: dict[int, asyncio.Task[Any]] = field(default_factory=dict)
 
     def send(self, message: dict[str, Any]) -> None:
         if self.channel is not None:
@@ -177,15 +178,17 @@ class EngineService:
                 error = NotReady("engine has no admission for this request; retry")
                 front.send({"t": "error", "id": rid, "error": wire.encode_error(error)})
                 return
-            front.runs[rid] = asyncio.create_task(self._run(front, front.arena, ticket, msg))
+            task = asyncio.create_task(self._run(front.arena, ticket, msg))
+            task.add_done_callback(functools.partial(self._ran, front, ticket, msg))
+            front.runs[rid] = task
         elif kind == "release":
             for held in (front.tickets.pop(int(i), None) for i in msg["ids"]):
                 if held is not None:
                     held.release_all()
         elif kind == "cancel":
-            task = front.runs.get(rid)
-            if task is not None:
-                task.cancel()
+            running = front.runs.get(rid)
+            if running is not None:
+                running.cancel()
         elif kind == "hello":
             front.pid = int(msg["pid"])
             front.arena = SlotArena(
@@ -196,34 +199,38 @@ class EngineService:
         else:
             raise ValueError(f"unknown control frame {kind!r}")
 
-    async def _run(
-        self, front: FrontEnd, arena: SlotArena, ticket: Ticket, msg: dict[str, Any]
+    async def _run(self, arena: SlotArena, ticket: Ticket, msg: dict[str, Any]) -> dict[str, Any]:
+        """The items from their slots through the batcher; the embeddings into the slots."""
+        slots = msg["slots"]
+        arrays = [arena.view(s, msg["dtype"], tuple(shape))
+                  for s, shape in zip(slots, msg["shapes"], strict=True)]  # fmt: skip
+        completed = await self._batcher(msg["tower"]).run(
+            ticket, arrays, normalize=bool(msg["normalize"]), request_id=str(msg["rid"])
+        )
+        rows = completed.embeddings
+        for slot, row in zip(slots, rows, strict=True):
+            arena.write(slot, row)
+        return {"t": "done", "id": msg["id"], "dim": int(rows.shape[1]),
+                "queue_s": completed.queue_s, "compute_s": completed.compute_s}  # fmt: skip
+
+    def _ran(
+        self, front: FrontEnd, ticket: Ticket, msg: dict[str, Any], task: asyncio.Task[Any]
     ) -> None:
-        rid, slots = msg["id"], msg["slots"]
-        reply: dict[str, Any]
-        try:
-            dtype = msg["dtype"]
-            arrays = [arena.view(s, dtype, tuple(shape)) for s, shape in zip(slots, msg["shapes"],
-                                                                          strict=True)]  # fmt: skip
-            completed = await self._batcher(msg["tower"]).run(
-                ticket, arrays, normalize=bool(msg["normalize"]), request_id=str(msg["rid"])
-            )
-            rows = completed.embeddings
-            for slot, row in zip(slots, rows, strict=True):
-                arena.write(slot, row)
-            reply = {"t": "done", "id": rid, "dim": int(rows.shape[1]),
-                     "queue_s": completed.queue_s, "compute_s": completed.compute_s}  # fmt: skip
-        except asyncio.CancelledError:
-            reply = {"t": "error", "id": rid, "error": {"cls": "NotReady", "message": "cancelled"}}
-        except ClipserveError as e:
-            reply = {"t": "error", "id": rid, "error": wire.encode_error(e)}
-        except Exception:
-            log.exception("run %s from front end %d failed", msg.get("rid"), front.pid)
-            reply = {"t": "error", "id": rid, "error": wire.encode_error(ExecutorFailed(""))}
-        finally:
-            ticket.release_all()
-            front.runs.pop(rid, None)
-        front.send(reply)  # after the last write into its slots: the front end may reuse them
+        """A run's one answer, whichever way its task ended: a done callback, because a task
+        cancelled before its first step (a cancel read with its run) never runs its body."""
+        rid = msg["id"]
+        ticket.release_all()
+        front.runs.pop(rid, None)
+        error: BaseException | None = None
+        if task.cancelled():
+            error = NotReady("cancelled")
+        elif (error := task.exception()) is None:
+            front.send(task.result())  # after the last write into its slots: reusable now
+            return
+        if not isinstance(error, ClipserveError | asyncio.CancelledError):
+            log.error("run %s from front end %d failed", msg.get("rid"), front.pid,
+                      exc_info=error)  # fmt: skip
+        front.send({"t": "error", "id": rid, "error": wire.encode_error(error)})
 
 
 def _loop_factory() -> Any:
