@@ -6,20 +6,27 @@ each in interleaved rounds (this machine is shared and noisy) with medians and s
               saturation, for single-image raw uint8 tensors (224x224x3) and 640x480 JPEGs, beside
               a bare-Starlette floor (bench/frontend_floor.py) in the same rounds; fake backend
               with compute=0, so the fake's own work is O(1) per image. JPEG decode is measured
-              offline and reported as its own share. Server pinned to the first cores, the load
-              generator (wrk, else clipserve-bench's aiohttp client) to the last. A py-spy profile
-              of each clipserve variant says where its front end's time goes.
+              offline (per round, on the server's cores) and reported as its own share. Server
+              pinned to the first cores, the load generator (wrk, else clipserve-bench's aiohttp
+              client) to the last; /readyz answers once one front end is up, so load waits until
+              all N listen. --cost-before-tree adds a one-process checkout (its fake must know
+              compute=0). A py-spy profile (py-spy starts the server: here it may trace only its
+              own descendants) says where each variant's time goes, per process and thread.
+              Points with over 1% failed requests stay in the rows, out of the summaries.
   batching    mean batch size (/metrics clipserve_batch_size) at a fixed open-loop rate with a
               20 ms fake batch, N front ends against one: target within 10%.
   scaling     saturated requests/s of tensor requests with each of --workers-list front ends.
   regression  served images/s at concurrency 32, tiny real model on CPU, JPEGs, --workers 1,
-              against --before-tree (a checkout of the commit before issue 8).
+              against --before-tree (a checkout of the commit before issue 8), and the server
+              tree's CPU per image (steadier than img/s on a shared machine). Runs with policy.
   policy      the same load: batch-size histogram, img/s and p99 for the before tree and for
               --max-queue-delay-ms in --delays.
 
     python -m bench.frontend --quick                        # every section, one short round
+    git worktree add --detach /tmp/clipserve-before 70dba1d
     python -m bench.frontend --before-tree /tmp/clipserve-before
-    python -m bench.frontend --sections scaling --workers-list 1,2,4,8,14   # a 16-core host
+    python -m bench.frontend --sections scaling --workers-list 1,2,4,8,14 --client-cores 2
+                                                            # a 16-core host, no GPU needed
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from bench.common import machine, utc_now
 from clipserve.bench.images import load_images
 from clipserve.bench.loadgen import LoadSpec
 from clipserve.bench.payloads import ModelInput, Request, build_requests
-from clipserve.bench.procs import TINY_CONFIG, free_port, machine_slug, pin
+from clipserve.bench.procs import TINY_CONFIG, free_port, machine_slug, pin, ready
 from clipserve.bench.runner import run_point
 from clipserve.bench.server import Samples, breakdown, parse_metrics
 from clipserve.preprocess import ImageDecoder
@@ -72,6 +79,7 @@ class Server:
     cwd: Path = ROOT
     env: dict[str, str] | None = None
     clipserve: bool = True
+    front_ends: int = 1
 
 
 @dataclass
@@ -84,7 +92,9 @@ class Running:
 
 def clipserve(name: str, flags: Sequence[str], tree: Path | None = None) -> Server:
     env = {**os.environ, "PYTHONPATH": str(tree)} if tree else None
-    return Server(name, ["-m", "clipserve", *flags, "--log-level", "warning"], tree or ROOT, env)
+    n = int(flags[flags.index("--workers") + 1]) if "--workers" in flags else 1
+    argv = ["-m", "clipserve", *flags, "--log-level", "warning"]
+    return Server(name, argv, tree or ROOT, env, front_ends=n)
 
 
 def floor() -> Server:
@@ -99,14 +109,6 @@ def floor() -> Server:
         "--no-access-log",
     ]
     return Server("floor", argv, clipserve=False)
-
-
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
-            return bool(r.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 @contextlib.contextmanager
@@ -142,7 +144,7 @@ def start(
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_s
-        while not _ready(url):
+        while not ready(url):
             if proc.poll() is not None:
                 raise RuntimeError(f"{s.name} exited with {proc.returncode}")
             if time.monotonic() > deadline:
@@ -151,6 +153,7 @@ def start(
         root = psutil.Process(proc.pid)
         if profile is not None:
             root = root.children()[0]
+        wait_front_ends(root, s.front_ends)
         yield Running(s, proc, root, url)
     finally:
         _stop(proc, profile is not None)
@@ -164,7 +167,7 @@ def _stop(proc: subprocess.Popen[bytes], profiled: bool) -> None:
         target = psutil.Process(proc.pid).children()[0].pid if profiled else proc.pid
         os.kill(target, signal.SIGTERM)
     try:
-        proc.wait(60)
+        proc.wait(150)  # py-spy writes its profile only once the whole tree is gone
     except subprocess.TimeoutExpired:
         for p in psutil.Process(proc.pid).children(recursive=True):
             with contextlib.suppress(psutil.Error):
@@ -173,15 +176,43 @@ def _stop(proc: subprocess.Popen[bytes], profiled: bool) -> None:
         proc.wait()
 
 
+def _listens(p: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return any(c.status == psutil.CONN_LISTEN for c in p.net_connections("tcp"))
+    return False
+
+
+def role(p: psutil.Process, root: psutil.Process) -> str:
+    """What a server process is: a front end listens on the port; with --workers N > 1 the root
+    is the supervisor and the one other spawned child the engine."""
+    if p.pid == root.pid:
+        return "server" if _listens(p) else "supervisor"
+    with contextlib.suppress(psutil.Error):
+        if "resource_tracker" in " ".join(p.cmdline()):
+            return "resource tracker"
+    return "front end" if _listens(p) else "engine"
+
+
 def tree_cpu(root: psutil.Process) -> dict[int, tuple[float, str]]:
     """CPU-seconds (user + system, all threads) of the process and every descendant now."""
     out = {}
     for p in [root, *root.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
             t = p.cpu_times()
-            label = "root" if p.pid == root.pid else " ".join(p.cmdline())[-60:]
-            out[p.pid] = (t.user + t.system, f"{p.pid} {label}")
+            out[p.pid] = (t.user + t.system, f"{role(p, root)} {p.pid}")
     return out
+
+
+def wait_front_ends(root: psutil.Process, n: int, timeout_s: float = 120) -> None:
+    """/readyz answers once one front end is up; load waits for all `n` (SO_REUSEPORT assigns a
+    connection to the sockets bound when it opens, for its lifetime)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        procs = [root, *root.children(recursive=True)]
+        if sum(_listens(p) for p in procs) >= n:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{n} front ends not listening after {timeout_s:g} s")
 
 
 def scrape(url: str) -> Samples | None:
@@ -283,6 +314,7 @@ def saturate(
     ok = max(answered - failed, 1)
     row: dict[str, Any] = {
         "server": r.server.name,
+        "requests": answered,
         "requests_per_s": round(answered / wall, 1),
         "failed": failed,
         "server_cpu_ms_per_request": round(cpu / ok * 1000, 4),
@@ -292,13 +324,27 @@ def saturate(
         ),
         "cpu_s_by_process": per_process,
     }
+    by_role: dict[str, float] = defaultdict(float)
+    for label, cpu_s in per_process.items():
+        by_role[label.rsplit(" ", 1)[0]] += cpu_s
+    row["cpu_ms_per_request_by_role"] = {k: round(v / ok * 1000, 4) for k, v in by_role.items()}
+    fronts = [v for k, v in per_process.items() if k.startswith("front end")]
+    if len(fronts) > 1 and sum(fronts) > 0:  # how evenly the kernel spread the connections
+        row["front_end_cpu_shares"] = sorted(round(v / sum(fronts), 3) for v in fronts)
     b = breakdown(before, after)
     if b is not None and b.images:
         busy_s = sum(ms * b.batches_by_device[d] for d, ms in b.batch_ms_by_device.items()) / 1000
         row["executor_wall_ms_per_request"] = round(busy_s / ok * 1000, 4)
         row["mean_batch_size"] = b.mean_batch_size
+        row["server_statuses"] = {k: int(v) for k, v in b.requests_by_status.items()}
         row["server_stage_ms"] = b.stage_ms
     return row
+
+
+def _clean(row: dict[str, Any]) -> bool:
+    """A saturation point counts in the summaries if under 1% of its requests failed (the rows
+    keep every point, failed ones included)."""
+    return bool(row["failed"] <= 0.01 * row["requests"])
 
 
 def spread(values: Sequence[float]) -> dict[str, float] | None:
@@ -345,7 +391,14 @@ def summarise_profile(path: Path, top: int = 12) -> dict[str, Any]:
     loop is MainThread), the leaf functions (self) and the functions on the stack (inclusive)
     with the largest shares, and the event loop thread's own leaf functions and lines. Start-up
     stacks (imports, building the model) are dropped: only serving is summarised."""
-    startup = ("_find_and_load", "build_runtime", "load_model", "create_model", "warmup")
+    startup = (
+        "_find_and_load",
+        "build_runtime",
+        "load_model",
+        "create_model",
+        "warmup",
+        "tokenizer.py",
+    )  # images only: the tokenizer shows up only in start-up
     kinds = ("self", "inclusive", "area", "thread", "loop_self", "loop_lines")
     procs: dict[str, dict[str, Counter[str]]] = defaultdict(lambda: {k: Counter() for k in kinds})
     totals: Counter[str] = Counter()
@@ -372,7 +425,7 @@ def summarise_profile(path: Path, top: int = 12) -> dict[str, Any]:
             c["inclusive"][name] += n
         c["area"][_area(frames[-1])] += n
         c["thread"][thread] += n
-        if thread == "MainThread":
+        if thread == "MainThread" and not any(w in names[-1] for w in WAITING):
             c["loop_self"][names[-1]] += n
             c["loop_lines"][frames[-1]] += n
         if any("uvicorn" in f for f in frames):
@@ -392,10 +445,31 @@ def summarise_profile(path: Path, top: int = 12) -> dict[str, Any]:
             "self": share(c["self"]),
             "inclusive": [x for x in share(c["inclusive"], 4 * top) if not _outer(x[0])][:top],
             "self_by_package": share(c["area"], 10),
-            "event_loop_thread_self": share(c["loop_self"], 2 * top),
-            "event_loop_thread_lines": share(c["loop_lines"], top),
+            "waiting_or_in_c_loop": round(
+                sum(v for k, v in c["self"].items() if any(w in k for w in WAITING)) / total, 3
+            ),
+            # of the event loop thread's samples not in WAITING frames:
+            "event_loop_thread_busy_self": _shares(c["loop_self"], 2 * top),
+            "event_loop_thread_busy_lines": _shares(c["loop_lines"], top),
         }
     return out
+
+
+# Leaf frames where a thread waits, or runs uvloop's C loop (epoll, socket I/O, httptools):
+# py-spy's idle filter does not catch every sleeping thread here (a 0.5 s sleep loop shows).
+WAITING = (
+    "Runner.run (asyncio/runners.py)",
+    "Selector.select (selectors.py)",
+    "_worker (concurrent/futures/thread.py)",
+    "watch (clipserve/engine/supervisor.py)",
+    "main (multiprocessing/resource_tracker.py)",
+    "Condition.wait (threading.py)",
+)
+
+
+def _shares(counter: Counter[str], k: int) -> list[tuple[str, float]]:
+    total = sum(counter.values()) or 1
+    return [(name, round(v / total, 3)) for name, v in counter.most_common(k)]
 
 
 # Frames every serving stack passes through: no information in their inclusive share.
@@ -487,15 +561,19 @@ def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
         clipserve(f"clipserve-w{n}", [*fake_flags(model), "--workers", str(n)])
         for n in a.cost_workers
     ]
+    if a.cost_before_tree:  # one process, as before issue 8 (its fake must know compute=0)
+        servers.append(clipserve("clipserve-before", fake_flags(model), a.cost_before_tree))
     rows: list[dict[str, Any]] = []
     threads = len(client_cpus or {0})
     with contextlib.ExitStack() as stack, affinity(client_cpus):
-        decode_ms = decode_cost(kinds["jpeg"])
         up, skipped = start_all(stack, servers, server_cpus)
         for r in up:  # warm-up: connections, caches, the batcher's first batches
             for reqs in kinds.values():
                 saturate(r, reqs, 1.0, a.connections, threads)
+        decode: list[float] = []  # per round, on the server's cores between load points
         for rnd in range(a.rounds):
+            with affinity(server_cpus):
+                decode.append(decode_cost(kinds["jpeg"]))
             for r in rotated(up, rnd):
                 for kind, reqs in kinds.items():
                     row = {
@@ -512,7 +590,11 @@ def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for r in up:
         for kind in kinds:
-            mine = [x for x in rows if x["server"] == r.server.name and x["payload"] == kind]
+            mine = [
+                x
+                for x in rows
+                if x["server"] == r.server.name and x["payload"] == kind and _clean(x)
+            ]
             floors = {
                 x["round"]: x for x in rows if x["server"] == "floor" and x["payload"] == kind
             }
@@ -523,7 +605,7 @@ def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
             }
             if r.server.name != "floor":
                 own = [
-                    x["server_cpu_ms_per_request"] - (decode_ms if kind == "jpeg" else 0)
+                    x["server_cpu_ms_per_request"] - (decode[x["round"]] if kind == "jpeg" else 0)
                     for x in mine
                 ]
                 entry["event_loop_side_ms_per_request"] = spread(own)
@@ -533,11 +615,18 @@ def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
                         for o, x in zip(own, mine, strict=True)
                     ]
                 )
+                roles = sorted({k for x in mine for k in x.get("cpu_ms_per_request_by_role", {})})
+                entry["cpu_ms_per_request_by_role"] = {
+                    k: spread([x["cpu_ms_per_request_by_role"].get(k, 0.0) for x in mine])
+                    for k in roles
+                }
                 entry["executor_wall_ms_per_request"] = spread(
                     [x.get("executor_wall_ms_per_request", 0.0) for x in mine]
                 )
                 if kind == "jpeg":
-                    entry["decode_share_of_cpu"] = spread([decode_ms / m for m in ms])
+                    entry["decode_share_of_cpu"] = spread(
+                        [decode[x["round"]] / x["server_cpu_ms_per_request"] for x in mine]
+                    )
             summary[f"{r.server.name} {kind}"] = entry
     profiles = {}
     if a.profile_seconds > 0:
@@ -568,7 +657,7 @@ def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
         "client": "wrk" if shutil.which("wrk") else "clipserve-bench (aiohttp)",
         "connections": a.connections,
         "seconds_per_point": a.seconds,
-        "decode_cpu_ms_per_jpeg_offline": round(decode_ms, 3),
+        "decode_cpu_ms_per_jpeg_offline": spread(decode),
         "skipped": skipped,
         "summary_medians": summary,
         "rows": rows,
@@ -655,7 +744,10 @@ def section_scaling(a: argparse.Namespace, model: Path) -> dict[str, Any]:
                 row = {"round": rnd, "workers": n, **saturate(r, reqs, a.seconds, conns, threads)}
                 rows.append(row)
                 say(f"scaling round {rnd} w{n}: {row['requests_per_s']} req/s")
-    rps = {n: [x["requests_per_s"] for x in rows if x["workers"] == n] for n in a.workers_list}
+    rps = {
+        n: [x["requests_per_s"] for x in rows if x["workers"] == n and _clean(x)]
+        for n in a.workers_list
+    }
     base = statistics.median(rps[1]) if rps.get(1) else None
     return {
         "pinning": {
@@ -670,6 +762,10 @@ def section_scaling(a: argparse.Namespace, model: Path) -> dict[str, Any]:
         },
         "rows": rows,
     }
+
+
+def _total(samples: Samples | None, name: str) -> float:
+    return sum(v for (n, _), v in (samples or {}).items() if n == name)
 
 
 def _histogram(before: Samples | None, after: Samples | None) -> dict[str, int]:
@@ -725,17 +821,27 @@ def section_policy(a: argparse.Namespace, model: Path) -> dict[str, Any]:
         spec = LoadSpec(concurrency=32, duration_s=a.policy_seconds, warmup_s=1.0)
         for rnd in range(a.rounds):
             for r in rotated(up, rnd):
-                before = scrape(r.url)
+                before, cpu0 = scrape(r.url), tree_cpu(r.root)
                 p = run_point(r.url, reqs, spec)
+                cpu1, after = tree_cpu(r.root), scrape(r.url)
                 server = p.server or {}
+                # Throughput here follows whatever else runs on the machine; server CPU per
+                # image computed (warm-up included on both sides) much less so.
+                cpu = sum(c - cpu0.get(pid, (0.0, ""))[0] for pid, (c, _) in cpu1.items())
+                images = _total(after, "clipserve_batch_size_sum") - _total(
+                    before, "clipserve_batch_size_sum"
+                )
                 rows.append(
                     {
                         "round": rnd,
                         "server": r.server.name,
                         "images_per_s": p.images_per_s,
                         "latency_ms": p.latency_ms,
+                        "server_cpu_ms_per_image": round(cpu / images * 1000, 3)
+                        if images
+                        else None,
                         "mean_batch_size": server.get("mean_batch_size"),
-                        "batch_size_histogram": _histogram(before, scrape(r.url)),
+                        "batch_size_histogram": _histogram(before, after),
                         "statuses": p.statuses,
                         "warnings": p.warnings,
                     }
@@ -757,6 +863,9 @@ def section_policy(a: argparse.Namespace, model: Path) -> dict[str, Any]:
             "p50_ms": spread([x["latency_ms"]["p50"] for x in mine]),
             "p99_ms": spread([x["latency_ms"]["p99"] for x in mine]),
             "mean_batch_size": spread([x["mean_batch_size"] or 0 for x in mine]),
+            "server_cpu_ms_per_image": spread(
+                [x["server_cpu_ms_per_image"] for x in mine if x.get("server_cpu_ms_per_image")]
+            ),
             "batch_size_histogram_all_rounds": dict(hist),
         }
     default_name = next(
@@ -768,6 +877,12 @@ def section_policy(a: argparse.Namespace, model: Path) -> dict[str, Any]:
         for i in range(a.rounds)
         if (i, default_name) in by and by.get((i, "before"))
     ]
+    per_image = {(x["round"], x["server"]): x.get("server_cpu_ms_per_image") or 0.0 for x in rows}
+    cpu_ratios = [
+        per_image[(i, default_name)] / per_image[(i, "before")]
+        for i in range(a.rounds)
+        if per_image.get((i, default_name)) and per_image.get((i, "before"))
+    ]
     return {
         "model": "tiny open_clip (clipserve.bench.procs.TINY_CONFIG), random weights, torch CPU",
         "load": "closed loop, concurrency 32, 640x480 JPEG q90 (8 variants)",
@@ -776,6 +891,7 @@ def section_policy(a: argparse.Namespace, model: Path) -> dict[str, Any]:
         "summary_medians": summary,
         "regression": {
             "after_default_over_before_images_per_s": spread(ratios),
+            "after_default_over_before_server_cpu_per_image": spread(cpu_ratios),
             "after": default_name,
         },
         "rows": rows,
@@ -810,6 +926,9 @@ def main() -> None:
     p.add_argument("--batch-latency-ms", type=float, default=20.0)
     p.add_argument("--workers-list", default="1,2")
     p.add_argument("--before-tree", type=Path, help="a checkout of the commit before issue 8")
+    p.add_argument(
+        "--cost-before-tree", type=Path, help="cost section: also a checkout with fake compute=0"
+    )
     p.add_argument("--delays", default="0,5,10", help="--max-queue-delay-ms values")
     p.add_argument("--policy-seconds", type=float, default=8.0)
     p.add_argument("--out", type=Path)

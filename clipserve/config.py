@@ -74,7 +74,9 @@ class BatchingConfig:
         "4 x batch x devices",
     )
     max_queue_delay_ms: float = _opt(
-        0.0, "how long an idle worker may wait after the oldest image for a fuller batch"
+        10.0,
+        "how long a short batch may wait, after its oldest image, for images already admitted "
+        "and still decoding (never for requests not yet arrived); 0 = take what is queued",
     )
     pipeline_depth: int = _opt(
         2,

@@ -35,7 +35,7 @@ def test_flag_beats_env_beats_default() -> None:
     assert config.batching.max_batch_size == 8  # flag
     assert config.http.port == 9000  # env
     assert config.backend.gpus == "cpu"
-    assert config.batching.max_queue_delay_ms == 0.0  # default
+    assert config.batching.max_queue_delay_ms == 10.0  # default
     assert load_config({}, {}) == ServerConfig()
 
 

@@ -197,7 +197,11 @@ def test_one_batch_holds_requests_from_several_front_ends(server: Server) -> Non
     held = server.spread(per_front_end=6)
     count0 = server.metric("clipserve_batch_size_count")
     small0 = server.metric("clipserve_batch_size_bucket", 'le="8.0"')
-    statuses = _post_all([c for conns in held.values() for c in conns])
+    with ThreadPoolExecutor(1) as blocker:  # occupies the device while the twelve queue up
+        first = blocker.submit(request, server.connect(), "POST", "/embed", _jpeg(99))
+        time.sleep(LATENCY_MS / 3000)
+        statuses = _post_all([c for conns in held.values() for c in conns])
+        assert first.result()[0] == 200
     assert statuses == [200] * 12
     batches = server.metric("clipserve_batch_size_count") - count0
     small = server.metric("clipserve_batch_size_bucket", 'le="8.0"') - small0

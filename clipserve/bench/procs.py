@@ -39,7 +39,8 @@ def tiny_model(directory: Path) -> Path:
     return path
 
 
-def _ready(url: str) -> bool:
+def ready(url: str) -> bool:
+    """Whether `url`'s /readyz answers 200 now."""
     try:
         with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
             return bool(r.status == 200)
@@ -70,7 +71,7 @@ def clipserve_process(
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_s
-        while not _ready(url):
+        while not ready(url):
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(flags)}")
             if time.monotonic() > deadline:

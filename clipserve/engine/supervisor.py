@@ -61,16 +61,31 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
 
 
 def frontend_main(
-    config: ServerConfig, socket_path: str, card: dict[str, Any], index: int, parent: int
+    config: ServerConfig,
+    socket_path: str,
+    card: dict[str, Any],
+    index: int,
+    parent: int,
+    together: Any = None,
 ) -> None:
     """A front end's entry: the same app and uvicorn settings as one process, its towers
-    remote, its listening socket one of the port's SO_REUSEPORT group."""
+    remote, its listening socket one of the port's SO_REUSEPORT group. `together` (a
+    multiprocessing Barrier, at the first start only) holds each front end until all have
+    imported what they need, so they start listening together: one that listened alone would
+    be handed every early connection, and keep them."""
     from clipserve.app import create_app
     from clipserve.cli import configure_logging, draining_server
     from clipserve.http_server import build_uvicorn_config, ensure_fd_limit
 
     configure_logging(config.http.log_level, role=f"frontend {index}")
     watch_parent(parent)
+    import open_clip  # noqa: F401  the tokenizer's (and torch's) import: the slow part of startup
+
+    if together is not None:
+        try:
+            together.wait(FRONTEND_START_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            log.warning("front end %d: the others did not start in time; starting alone", index)
     app = create_app(config, engine=(socket_path, card))
     ensure_fd_limit(config.http.max_connections)
     sock = reuseport_socket(config.http.host, config.http.port)
@@ -113,8 +128,9 @@ class Supervisor:
         try:
             self._start_engine()
             self._wait_engine_ready()
+            together = self.ctx.Barrier(len(self.front))
             for index in range(len(self.front)):
-                self._start_front(index)
+                self._start_front(index, together)
             log.info("serving on http://%s:%d with %d front ends and one engine (pid %d)",
                      self.config.http.host, self.config.http.port, len(self.front),
                      self.engine.process.pid if self.engine else 0)  # fmt: skip
@@ -183,10 +199,10 @@ class Supervisor:
             raise StartupError(payload)
         self.card = payload
 
-    def _start_front(self, index: int) -> None:
+    def _start_front(self, index: int, together: Any = None) -> None:
         process = self.ctx.Process(
             target=frontend_main, name=f"clipserve-frontend-{index}",
-            args=(self.config, self.socket_path, self.card, index, self.pid),
+            args=(self.config, self.socket_path, self.card, index, self.pid, together),
         )  # fmt: skip
         process.start()
         old = self.front[index]
