@@ -82,3 +82,41 @@ def test_front_ends_pass_jpeg_bytes_to_the_engine_through_their_slots(
         bad = httpx.post(url + "/embed", files=[("image", jpeg(1)),
                                                 ("image", corrupt_huffman(jpeg(4)))])  # fmt: skip
         assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("item 1: ")
+
+
+def test_a_request_gone_while_its_batch_decodes_does_not_stop_the_worker() -> None:
+    """The bad image's request is cancelled while the device thread decodes its batch: its
+    error has nobody to go to, and the worker must go on (it once raised and died)."""
+    from clipserve.backends.fake import FakeExecutor
+    from clipserve.batching import Batcher
+    from clipserve.config import BatchingConfig
+    from clipserve.gpu_decode import DeviceDecoder
+    from clipserve.metrics import Metrics
+    from clipserve.preprocess import ImageDecoder, PreprocessSpec
+
+    spec = PreprocessSpec((224, 224), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    host = ImageDecoder(spec, 40_000_000)
+    big = [np.frombuffer(jpeg(seed, (2400, 1800)), np.uint8) for seed in range(6)]
+    bad = np.frombuffer(corrupt_huffman(jpeg(9)), np.uint8)
+
+    async def main() -> None:
+        batcher = Batcher([FakeExecutor(spec, 16)], BatchingConfig(16, 64, 0.0), Metrics(),
+                          decoders=[DeviceDecoder(host, "cpu")])  # fmt: skip
+        batcher.start()
+        try:
+            good_ticket, bad_ticket = batcher.admit(6), batcher.admit(1)
+            good = asyncio.create_task(batcher.run(good_ticket, big, normalize=True,
+                                                   request_id="good"))  # fmt: skip
+            gone = asyncio.create_task(batcher.run(bad_ticket, [bad], normalize=True,
+                                                   request_id="gone"))  # fmt: skip
+            await asyncio.sleep(0.02)  # one batch of seven, decoding on the device thread
+            gone.cancel()
+            assert len((await good).embeddings) == 6
+            assert batcher.all_alive
+            again = batcher.admit(1)
+            assert len((await batcher.run(again, big[:1], normalize=True,
+                                          request_id="again")).embeddings) == 1  # fmt: skip
+        finally:
+            await batcher.stop()
+
+    asyncio.run(main())

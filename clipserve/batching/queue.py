@@ -6,6 +6,7 @@ Everything here runs on the event loop; nothing blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from clipserve.errors import Overloaded, RequestTimeout
+
+RECHECK_S = 0.002
 
 
 def is_encoded(array: np.ndarray) -> bool:
@@ -200,13 +203,17 @@ class BatchQueue:
                 if not self._items:
                     await self._cond.wait()
                     continue
-                if max_delay_s > 0 and not self._full_or_none_coming(max_n):
-                    wait_s = self._items[0].enqueued_at + max_delay_s - time.perf_counter()
-                    try:
-                        async with asyncio.timeout(max(wait_s, 0.0)):
-                            await self._cond.wait_for(lambda: self._full_or_none_coming(max_n))
-                    except TimeoutError:
-                        pass
+                if max_delay_s > 0:
+                    until = self._items[0].enqueued_at + max_delay_s
+                    # Re-checked every RECHECK_S too: an admission given back without anything
+                    # queued (a failed decode, a client gone) does not notify the queue.
+                    while not self._full_or_none_coming(max_n):
+                        left = until - time.perf_counter()
+                        if left <= 0:
+                            break
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(min(left, RECHECK_S)):
+                                await self._cond.wait_for(lambda: self._full_or_none_coming(max_n))
                 batch = self._pop(max_n, batch_seconds)
                 if batch:
                     return batch

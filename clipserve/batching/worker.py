@@ -257,7 +257,9 @@ class DeviceWorker:
         except Exception as exc:
             return Outcome([ExecutorFailed("internal error") for _ in batch.items], errors=[exc])
         for index, error in errors.items():
-            batch.items[index].future.set_exception(error)
+            future = batch.items[index].future
+            if not future.done():  # its request may be gone since
+                future.set_exception(error)
         for row, index in enumerate(ok):
             batch.items[index].array = crops[row]
         batch.items = [batch.items[i] for i in ok]

@@ -37,11 +37,13 @@ def slot_bytes(card: dict[str, Any]) -> int:
     return max(3 * int(h) * int(w) * 4, int(card["context_length"]) * 8, int(card["embed_dim"]) * 4)
 
 
-def slot_count(config: ServerConfig) -> int:
-    """Enough for every item this front end can hold: both towers' queues full, plus the
-    batches computing (items leave the admission budget as they start, not as they finish)."""
+def slot_count(config: ServerConfig, devices: int) -> int:
+    """Enough for every item this front end can hold: both towers' queues full, plus what is
+    computing (items leave the admission budget as they start, not as they finish: every
+    device's batches in flight, and requests partly started)."""
     b = config.batching
-    return 2 * b.max_queue_size + 4 * b.max_batch_size
+    largest = max(b.max_batch_size, config.limits.max_items_per_request)
+    return 2 * b.max_queue_size + 2 * (devices * b.pipeline_depth + 1) * largest
 
 
 def served_config(config: ServerConfig, card: dict[str, Any]) -> ServerConfig:
@@ -119,7 +121,8 @@ class EngineLink:
         self.status: dict[str, Any] = {
             "towers": {}, "depth": {"image": 0, "text": 0}, "wait_s": 0.0, "memory": {},
         }  # fmt: skip
-        self._slots = (slot_count(served_config(config, card)), slot_bytes(card))
+        served = served_config(config, card)
+        self._slots = (slot_count(served, len(card["devices"])), slot_bytes(card))
         self._generation = 0
         self.arena = self._new_arena()
         self.connected = False
@@ -166,8 +169,15 @@ class EngineLink:
             if self._generation:
                 # A fresh file per connection: an engine that outlived a broken connection can
                 # never write into a slot this side has given to a new request since.
+                try:
+                    fresh = self._new_arena()
+                except OSError:
+                    log.exception("could not make a new slot file; retrying")
+                    channel.close()
+                    await asyncio.sleep(RECONNECT_S)
+                    continue
                 self.arena.close(unlink=True)
-                self.arena = self._new_arena()
+                self.arena = fresh
             self._generation += 1
             self._channel = channel
             channel.send({
@@ -276,7 +286,14 @@ class RemoteTower:
         future = self.link.expect(rid)
         self.link.send({"t": "admit", "id": rid, "tower": self.kind, "n": n,
                         "wait_s": deadline - time.perf_counter()})  # fmt: skip
-        await future
+        try:
+            await future
+        except asyncio.CancelledError:
+            # Admitted in the same loop iteration as this request's cancellation: the places
+            # are held in the engine and nobody holds the ticket; give them back.
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.link.send({"t": "release", "ids": [rid]})
+            raise
         return RemoteTicket(self.link, rid)
 
     async def run(

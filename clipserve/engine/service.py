@@ -153,7 +153,11 @@ class EngineService:
         front.tickets.clear()
         if front.runs or front.arena is not None:
             log.info("front end %d gone: %d runs cancelled", front.pid, len(front.runs))
-        front.arena = None  # unmapped once the last item view is gone
+        if front.arena is not None:
+            # Closes the file descriptor now, so tmpfs frees the pages once the name is gone;
+            # the mapping goes with the last item view still computing.
+            front.arena.close()
+            front.arena = None
 
     def _dispatch(self, front: FrontEnd, msg: dict[str, Any]) -> None:
         kind, rid = msg.get("t"), int(msg.get("id", 0))

@@ -161,8 +161,12 @@ class Supervisor:
     def _check_port(self) -> None:
         """Fail at once, as one process would, when the port is taken (the probe is closed
         before any front end binds, so it never receives a connection)."""
-        try:
-            reuseport_socket(self.config.http.host, self.config.http.port).close()
+        host, port = self.config.http.host, self.config.http.port
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:  # without SO_REUSEPORT: a second clipserve on the port must not pass
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, port))
         except OSError as e:
             raise StartupError(
                 f"--host/--port: cannot listen on {self.config.http.host}:"
@@ -190,6 +194,7 @@ class Supervisor:
             if not self.engine.process.is_alive():
                 raise StartupError("the engine process exited while starting (see the log)")
             if time.monotonic() > deadline or self.stopping:
+                self.engine.process.kill()  # a hung engine: the next restart starts afresh
                 raise StartupError("the engine process did not become ready")
         try:
             kind, payload = self.engine_ready.recv()
