@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from clipserve.bench.procs import free_port
@@ -23,7 +24,12 @@ def test_an_engine_that_cannot_start_is_one_line_and_exit_2(tiny_config: Path) -
     assert "Traceback" not in result.stderr
 
 
+def _own_dirs() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("clipserve-*"))
+
+
 def test_a_taken_port_is_refused_before_anything_starts(tiny_config: Path) -> None:
+    before = _own_dirs()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -31,3 +37,4 @@ def test_a_taken_port_is_refused_before_anything_starts(tiny_config: Path) -> No
         result = _run("--model", str(tiny_config), "--pretrained", "none", "--port", str(port))
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert _own_dirs() <= before  # its socket and metrics directory went with it

@@ -122,10 +122,10 @@ class Supervisor:
         self._own_metrics_dir = MULTIPROC_ENV not in os.environ
 
     def run(self) -> int:
-        self._metrics_dir()
-        self._check_port()
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
+            self._metrics_dir()
+            self._check_port()
             self._start_engine()
             self._wait_engine_ready()
             together = self.ctx.Barrier(len(self.front))
