@@ -58,7 +58,7 @@ from bench.common import machine, utc_now
 from clipserve.bench.images import load_images
 from clipserve.bench.loadgen import LoadSpec
 from clipserve.bench.payloads import ModelInput, Request, build_requests
-from clipserve.bench.procs import TINY_CONFIG, free_port, machine_slug, pin, ready
+from clipserve.bench.procs import TINY_CONFIG, free_port, machine_slug, pin, wait_ready
 from clipserve.bench.runner import run_point
 from clipserve.bench.server import Samples, breakdown, parse_metrics
 from clipserve.preprocess import ImageDecoder
@@ -143,13 +143,7 @@ def start(
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + startup_s
-        while not ready(url):
-            if proc.poll() is not None:
-                raise RuntimeError(f"{s.name} exited with {proc.returncode}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{s.name} not ready after {startup_s:g} s")
-            time.sleep(0.1)
+        wait_ready(proc, url, startup_s, s.name)
         root = psutil.Process(proc.pid)
         if profile is not None:
             root = root.children()[0]

@@ -103,7 +103,6 @@ class Tower(Protocol):
 class Admitted:
     """A request's places in one tower's queue (see `Pipeline.admitted`)."""
 
-    tower: Tower
     ticket: Ticket
     n: int
 
@@ -282,7 +281,7 @@ class Pipeline:
         """Places in `tower`'s queue for the request, held until the block ends: the one owner
         of the admission (items give theirs back as they start computing). Taken before any
         CPU work, parsing included, so the backlog in the pool is bounded by the queue too."""
-        held = Admitted(tower, await tower.reserve(n, ctx.deadline), n)
+        held = Admitted(await tower.reserve(n, ctx.deadline), n)
         try:
             yield held
         finally:

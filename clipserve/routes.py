@@ -11,7 +11,7 @@ from clipserve.pipeline import ImageWork, Pipeline, TextWork
 from clipserve.protocol.media import negotiate
 from clipserve.protocol.requests import ImageCodec, image_codec
 from clipserve.protocol.responses import RESPONSE_TYPES, encode_embeddings, out_dtype
-from clipserve.protocol.text import parse_texts, text_protocol
+from clipserve.protocol.text import text_protocol, texts_from
 
 
 def _flag(request: Request, name: str, default: bool) -> bool:
@@ -62,7 +62,7 @@ async def _embed(request: Request, tower: str) -> Response:
         else:
             async with p.admitted(p.text_batcher, ctx) as admitted:
                 with ctx.timer.measure("decode"):
-                    texts = await p.in_pool(parse_texts, content_type, body,
+                    texts = await p.in_pool(texts_from, protocol, body,
                                             limits.max_items_per_request,
                                             limits.max_text_chars)  # fmt: skip
                 single = False

@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from clipserve.backends.base import l2_normalise_rows
 from clipserve.backends.fake import FakeExecutor
 from clipserve.batching import Batcher
 from clipserve.batching.cost import CostModel
 from clipserve.batching.queue import Admission
-from clipserve.batching.worker import l2_normalise_rows
 from clipserve.config import BatchingConfig
 from clipserve.errors import (
     ExecutorFailed,

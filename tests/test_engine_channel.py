@@ -29,7 +29,7 @@ def test_a_run_cancelled_in_the_same_read_is_answered_and_gives_back_its_place(
     arena = SlotArena(tmp_path / "slots", 4, 3 * 224 * 224 * 4, create=True)
 
     async def main() -> None:
-        service = EngineService(config, runtime, Metrics())
+        service = EngineService(runtime, Metrics())
         stop, ready = asyncio.Event(), asyncio.Event()
         serving = asyncio.create_task(service.serve(sock, ready.set, stop))
         await ready.wait()

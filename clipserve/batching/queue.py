@@ -184,12 +184,11 @@ class BatchQueue:
         self._items = rest
         return batch
 
-    def _coming(self) -> int:
-        """Images admitted that are not queued yet: still being decoded or parsed."""
-        return self.admitted() - self._live()
-
     def _full_or_none_coming(self, max_n: int) -> bool:
-        return self._live() >= max_n or self._coming() <= 0
+        """Whether the batch is full, or no admitted image is still on its way (being parsed or
+        decoded: admitted and not queued)."""
+        live = self._live()
+        return live >= max_n or self.admitted() <= live
 
     async def take(
         self, max_n: int, max_delay_s: float, batch_seconds: Callable[[int], float] = _no_cost

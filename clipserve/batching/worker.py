@@ -36,8 +36,6 @@ from clipserve.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_SPLIT_DEPTH", "DeviceWorker", "Outcome", "l2_normalise_rows"]
-
 # A failing batch is split in halves, and failing halves again, this many times at most: enough
 # to isolate single items in batches of up to 256, and bounded when every item fails.
 MAX_SPLIT_DEPTH = 8

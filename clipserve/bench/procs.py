@@ -48,6 +48,17 @@ def ready(url: str) -> bool:
         return False
 
 
+def wait_ready(proc: subprocess.Popen[bytes], url: str, startup_s: float, what: str) -> None:
+    """Until `url`'s /readyz answers 200; RuntimeError if `proc` exits or time runs out."""
+    deadline = time.monotonic() + startup_s
+    while not ready(url):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not ready after {startup_s:g} s")
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def clipserve_process(
     flags: Sequence[str],
@@ -70,13 +81,7 @@ def clipserve_process(
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + startup_s
-        while not ready(url):
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(flags)}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready after {startup_s:g} s: {' '.join(flags)}")
-            time.sleep(0.1)
+        wait_ready(proc, url, startup_s, f"server ({' '.join(flags)})")
         yield proc, url
     finally:
         stop(proc)

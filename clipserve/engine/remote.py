@@ -117,7 +117,6 @@ class EngineLink:
 
     def __init__(self, socket_path: str, config: ServerConfig, card: dict[str, Any]) -> None:
         self.socket_path = socket_path
-        self.card = card
         self.status: dict[str, Any] = {
             "towers": {}, "depth": {"image": 0, "text": 0}, "wait_s": 0.0, "memory": {},
         }  # fmt: skip

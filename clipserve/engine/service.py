@@ -69,8 +69,7 @@ class FrontEnd:
 
 
 class EngineService:
-    def __init__(self, config: ServerConfig, runtime: Runtime, metrics: Metrics) -> None:
-        self.config = config
+    def __init__(self, runtime: Runtime, metrics: Metrics) -> None:
         self.runtime = runtime
         self.metrics = metrics
         self.front_ends: set[FrontEnd] = set()
@@ -268,7 +267,7 @@ def engine_main(
 
         async def main() -> None:
             stop = asyncio.Event()
-            service = EngineService(config, runtime, Metrics())
+            service = EngineService(runtime, Metrics())
             draining: set[asyncio.Task[None]] = set()
 
             def on_sigterm() -> None:

@@ -17,7 +17,12 @@ def text_protocol(content_type: str | None) -> str:
 
 
 def parse_texts(content_type: str, body: bytes, max_texts: int, max_chars: int) -> list[str]:
-    if text_protocol(content_type) == "text-json":
+    return texts_from(text_protocol(content_type), body, max_texts, max_chars)
+
+
+def texts_from(protocol: str, body: bytes, max_texts: int, max_chars: int) -> list[str]:
+    """The texts of a body whose Content-Type `text_protocol` has checked already."""
+    if protocol == "text-json":
         doc = loads_json(body, max_texts, TooManyTexts)
     else:
         doc = unpack_msgpack(body, max_texts, TooManyTexts)
