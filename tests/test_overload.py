@@ -98,13 +98,15 @@ def test_requests_that_cannot_finish_by_their_deadline_are_refused_at_once(serve
 def test_bodies_are_parsed_only_once_admitted(serve: Serve) -> None:
     """With the queue full, a malformed msgpack body is refused 503, not 400: admission comes
     before parsing, so parsing in the pool is bounded by the queue too."""
-    server = serve(backend="fake", backend_option=["latency_ms=400"], max_batch_size=4,
+    server = serve(backend="fake", backend_option=["latency_ms=2000"], max_batch_size=4,
                    max_queue_size=4, max_items_per_request=4)  # fmt: skip
+    fake = server.state.runtime.executors[0]
 
     async def main() -> tuple[list[int], httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
             first = asyncio.create_task(client.post("/embed", content=marked_png(1), headers=PNG))
-            await asyncio.sleep(0.1)  # computing (400 ms); the next four fill the queue
+            # Computing (2 s) and out of the queue: the next four then fill it exactly.
+            await until(lambda: bool(fake.attempts))
             fill = [asyncio.create_task(client.post("/embed", content=marked_png(m), headers=PNG))
                     for m in range(2, 6)]  # fmt: skip
             await until(lambda: metric(server, "clipserve_queue_depth") == 4)
