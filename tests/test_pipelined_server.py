@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import httpx
 
-from tests.conftest import RunningServer, png_bytes, random_pixels
+from tests.conftest import RunningServer, png_bytes, random_pixels, until
 
 Serve = Callable[..., RunningServer]
 PNG = {"Content-Type": "image/png"}
@@ -22,16 +22,18 @@ def _queued(metrics: str) -> float:
     return float(match.group(1))
 
 
-async def _three_at_once(url: str) -> tuple[float, float]:
+async def _three_at_once(server: RunningServer) -> tuple[float, float]:
     """(seconds for three one-image requests sent at once, images still queued while the
     first computes)."""
     bodies = [png_bytes(random_pixels(seed)) for seed in range(3)]
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+    batcher = server.state.batcher
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
         await client.post("/embed", content=bodies[0], headers=PNG)  # warm: cost measured
         t0 = time.perf_counter()
         posts = [asyncio.create_task(client.post("/embed", content=b, headers=PNG))
                  for b in bodies]  # fmt: skip
-        await asyncio.sleep(LATENCY_S / 2)
+        # All three decoded and either queued or taken by the worker (the first computing).
+        await until(lambda: len(batcher.queue) + batcher.workers[0].in_flight == 3)
         queued = _queued((await client.get("/metrics")).text)
         answers = await asyncio.gather(*posts)
         assert [r.status_code for r in answers] == [200] * 3
@@ -46,8 +48,8 @@ def test_batches_overlap_on_the_device_at_depth_2_and_not_at_depth_1(serve: Serv
     deep = serve(backend="fake", backend_option=option, max_batch_size=1, pipeline_depth=2)
     flat = serve(backend="fake", backend_option=option, max_batch_size=1, pipeline_depth=1)
     assert httpx.get(deep.url + "/info").json()["batching"]["pipeline_depth"] == 2
-    pipelined, waiting_deep = asyncio.run(_three_at_once(deep.url))
-    sequential, waiting_flat = asyncio.run(_three_at_once(flat.url))
+    pipelined, waiting_deep = asyncio.run(_three_at_once(deep))
+    sequential, waiting_flat = asyncio.run(_three_at_once(flat))
     # While the first batch computes, depth 2 has already taken the second off the queue.
     assert (waiting_deep, waiting_flat) == (1, 2)
     assert pipelined < 3 * LATENCY_S + 0.25, pipelined
