@@ -6,7 +6,7 @@ import argparse
 import platform
 import time
 
-from clipserve.bench.procs import machine as bench_machine
+from clipserve.loadgen.procs import machine as bench_machine
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:

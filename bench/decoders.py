@@ -8,7 +8,7 @@ Compares exact Pillow (what open_clip does), Pillow with JPEG draft at two margi
 Per core: decode + resize + crop of 640x480 JPEGs on one pinned core, in interleaved rounds of
 each interpreter (e.g. one with pillow-simd: docker/Dockerfile.cpu), medians with min and max.
 Decoders: Pillow's draft path (the server's CPU default), Pillow exact, and torchvision's
-libjpeg-turbo through the device decoder (clipserve/gpu_decode.py) where torch is installed.
+libjpeg-turbo through the device decoder (inference/gpu_decode.py) where torch is installed.
 Writes bench/results/decoders-per-core.json.
 """
 
@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from bench.images import jpeg
-from clipserve import preprocess
-from clipserve.bench.procs import cpu_model
-from clipserve.preprocess import ImageDecoder, PreprocessSpec
+from clipserve.inference import preprocess
+from clipserve.inference.preprocess import ImageDecoder, PreprocessSpec
+from clipserve.loadgen.images import jpeg
+from clipserve.loadgen.procs import cpu_model
 
 SPEC = PreprocessSpec(
     (224, 224), (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -114,7 +114,7 @@ def per_core_round(images: list[bytes], seconds: float, batch: int = 64) -> dict
     try:
         import torch
 
-        from clipserve.gpu_decode import DeviceDecoder
+        from clipserve.inference.gpu_decode import DeviceDecoder
     except ImportError:
         return out
     torch.set_num_threads(1)

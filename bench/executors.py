@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from bench.common import add_model_flags, describe_model, machine, model_flags, utc_now
-from clipserve.bench.offline import measure_executor
+from clipserve.loadgen.offline import measure_executor
 
 
 def main() -> None:

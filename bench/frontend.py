@@ -55,13 +55,13 @@ from typing import Any
 import psutil  # type: ignore[import-untyped]
 
 from bench.common import machine, utc_now
-from clipserve.bench.images import load_images
-from clipserve.bench.loadgen import LoadSpec
-from clipserve.bench.payloads import ModelInput, Request, build_requests
-from clipserve.bench.procs import TINY_CONFIG, free_port, machine_slug, pin, wait_ready
-from clipserve.bench.runner import run_point
-from clipserve.bench.server import Samples, breakdown, parse_metrics
-from clipserve.preprocess import ImageDecoder
+from clipserve.inference.preprocess import ImageDecoder
+from clipserve.loadgen.images import load_images
+from clipserve.loadgen.loadgen import LoadSpec
+from clipserve.loadgen.payloads import ModelInput, Request, build_requests
+from clipserve.loadgen.procs import TINY_CONFIG, free_port, machine_slug, pin, wait_ready
+from clipserve.loadgen.runner import run_point
+from clipserve.loadgen.server import Samples, breakdown, parse_metrics
 
 SECTIONS = ("cost", "batching", "scaling", "regression", "policy")
 ROOT = Path(__file__).resolve().parent.parent
@@ -878,7 +878,7 @@ def section_policy(a: argparse.Namespace, model: Path) -> dict[str, Any]:
         if per_image.get((i, default_name)) and per_image.get((i, "before"))
     ]
     return {
-        "model": "tiny open_clip (clipserve.bench.procs.TINY_CONFIG), random weights, torch CPU",
+        "model": "tiny open_clip (clipserve.loadgen.procs.TINY_CONFIG), random weights, torch CPU",
         "load": "closed loop, concurrency 32, 640x480 JPEG q90 (8 variants)",
         "before_tree": str(a.before_tree) if a.before_tree else None,
         "skipped": skipped,

@@ -35,10 +35,10 @@ import aiohttp
 import numpy as np
 
 from bench.common import machine, utc_now
-from bench.images import jpeg
 from clipserve.backends.fake import FakeExecutor
-from clipserve.bench.procs import clipserve_server, tiny_model
-from clipserve.preprocess import PreprocessSpec
+from clipserve.inference.preprocess import PreprocessSpec
+from clipserve.loadgen.images import jpeg
+from clipserve.loadgen.procs import clipserve_server, tiny_model
 
 TENSOR_IMAGES = 4  # images per raw-tensor request
 

@@ -10,7 +10,7 @@ whatever it measured so far, and the run goes on):
   gpu-tests         `pytest -m gpu` over the test files that hold GPU tests
   executor:<name>   offline sweep, batch 1..1024, FP16: torch eager, torch.compile, cuda-graphs,
                     ort-cuda (where onnxruntime-gpu's CUDA provider loads)
-  decoders          nvJPEG (clipserve/gpu_decode.py) against Pillow per core, 640x480 JPEGs
+  decoders          nvJPEG (inference/gpu_decode.py) against Pillow per core, 640x480 JPEGs
   served:tensor-dN  served uint8-tensor rate through clipserve-bench and the device-busy ratio
                     (Δ clipserve_device_busy_seconds / wall, else Δ batch time / wall), one per
                     --pipeline-depth given where the server has that flag
@@ -70,7 +70,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clipserve.bench.procs import (
+from clipserve.loadgen.procs import (
     TINY_CONFIG,
     clipserve_process,
     cpu_model,
@@ -181,7 +181,7 @@ def executor_variants(plan: Plan) -> list[str]:
 
 
 def section_executor(plan: Plan, emit: Emit, variant: str) -> dict[str, Any]:
-    from clipserve.bench.offline import measure_executor
+    from clipserve.loadgen.offline import measure_executor
 
     backend, *extras = variant.split("+")
     sizes = plan.sizes
@@ -203,8 +203,8 @@ def section_decoders(plan: Plan, emit: Emit) -> dict[str, Any]:
     import torch
 
     from bench.decoders import SPEC, corpus
-    from clipserve.gpu_decode import DeviceDecoder
-    from clipserve.preprocess import ImageDecoder
+    from clipserve.inference.gpu_decode import DeviceDecoder
+    from clipserve.inference.preprocess import ImageDecoder
 
     torch.set_num_threads(1)
     images = corpus(16)
@@ -263,7 +263,7 @@ def server_flags(plan: Plan, flags_known: str, depth: int | None, gpu_decode: bo
 
 
 def _metrics(url: str) -> dict[str, float]:
-    from clipserve.bench.server import parse_metrics
+    from clipserve.loadgen.server import parse_metrics
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         samples = parse_metrics(r.read().decode())
@@ -299,7 +299,7 @@ def section_served(plan: Plan, emit: Emit, payload: str, depth: int | None) -> d
     procs = 1 if quick else 4
     with clipserve_process(flags, startup_s=300) as (_, url):
         report = Path(plan.out_dir) / f"loadgen-{payload}-{depth}.json"
-        cmd = [sys.executable, "-m", "clipserve.bench", "--url", url, "-q", "--payload", kind,
+        cmd = [sys.executable, "-m", "clipserve.loadgen", "--url", url, "-q", "--payload", kind,
                "-b", str(per_request), "-c", str(concurrency), "--duration", str(duration),
                "--warmup", str(warmup), "--procs", str(procs), "--json", str(report)]  # fmt: skip
         scrapes: list[dict[str, float]] = []

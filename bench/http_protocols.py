@@ -23,9 +23,9 @@ from typing import Any
 from uvicorn.server import ServerState
 
 from bench.common import add_model_flags, machine, model_flags, utc_now
-from clipserve.app import create_app
 from clipserve.config import load_config
-from clipserve.http_server import build_uvicorn_config
+from clipserve.http.app import create_app
+from clipserve.http.server import build_uvicorn_config
 
 REQUEST = (
     b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nUser-Agent: bench\r\nAccept: */*\r\n\r\n"

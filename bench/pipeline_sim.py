@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine, utc_now
-from clipserve.bench.images import load_images
-from clipserve.bench.loadgen import LoadSpec
-from clipserve.bench.payloads import ModelInput, build_requests
-from clipserve.bench.procs import free_port, stop, tiny_model
-from clipserve.bench.runner import run_point
+from clipserve.loadgen.images import load_images
+from clipserve.loadgen.loadgen import LoadSpec
+from clipserve.loadgen.payloads import ModelInput, build_requests
+from clipserve.loadgen.procs import free_port, stop, tiny_model
+from clipserve.loadgen.runner import run_point
 
 
 def serve_main(argv: list[str]) -> int:

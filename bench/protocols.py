@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 
 from bench.common import machine, utc_now
-from clipserve.bench.images import SourceImage, synthetic_image
-from clipserve.bench.loadgen import LoadSpec
-from clipserve.bench.payloads import ModelInput, Request, build_requests
-from clipserve.bench.procs import clipserve_server
-from clipserve.bench.runner import run_point
-from clipserve.preprocess import ImageDecoder, PreprocessSpec
+from clipserve.inference.preprocess import ImageDecoder, PreprocessSpec
+from clipserve.loadgen.images import SourceImage, synthetic_image
+from clipserve.loadgen.loadgen import LoadSpec
+from clipserve.loadgen.payloads import ModelInput, Request, build_requests
+from clipserve.loadgen.procs import clipserve_server
+from clipserve.loadgen.runner import run_point
 from clipserve.protocol.requests import parse_body
 from clipserve.protocol.responses import encode_embeddings
 
@@ -35,7 +35,7 @@ N = 8  # images per request for the list formats
 
 
 def formats(images: list[SourceImage]) -> dict[str, Request]:
-    """The request formats compared, from clipserve.bench's payload kinds."""
+    """The request formats compared, from clipserve.loadgen's payload kinds."""
     model = ModelInput(SPEC)
 
     def one(kind: str, n: int = N, dtype: str = "uint8") -> Request:

@@ -20,13 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import add_model_flags, describe_model, machine, model_flags, utc_now
-from clipserve.bench.images import jpeg
-from clipserve.bench.loadgen import LoadSpec
-from clipserve.bench.payloads import Request
-from clipserve.bench.procs import clipserve_server
-from clipserve.bench.runner import run_point
 from clipserve.config import load_config
-from clipserve.executors import build_runtime
+from clipserve.inference.runtime import build_runtime
+from clipserve.loadgen.images import jpeg
+from clipserve.loadgen.loadgen import LoadSpec
+from clipserve.loadgen.payloads import Request
+from clipserve.loadgen.procs import clipserve_server
+from clipserve.loadgen.runner import run_point
 
 
 def timed(fn: object, repeat: int) -> list[float]:

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import signal
 import sys
-import threading
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from clipserve import __version__
 from clipserve.config import ServerConfig, iter_options, load_config
 from clipserve.errors import StartupError
+from clipserve.logs import configure_logging
 
 log = logging.getLogger("clipserve")
 
@@ -54,43 +51,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             help=helptext,
         )
     if command is not None:
-        from clipserve.commands import add_subcommand_flags
+        from clipserve.inference.commands import add_subcommand_flags
 
         add_subcommand_flags(parser, command)
     return parser
-
-
-def configure_logging(level: str, role: str | None = None) -> None:
-    """`role` names the process in each line when several serve together (--workers N)."""
-    where = f"[{role}] " if role else ""
-    logging.basicConfig(
-        level=logging.DEBUG if level == "trace" else getattr(logging, level.upper()),
-        format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s",
-    )
-
-
-def draining_server(config: Any) -> Any:
-    """A uvicorn.Server for `config` (a uvicorn.Config) whose drained SIGTERM exits 0."""
-    import uvicorn
-
-    class DrainingServer(uvicorn.Server):
-        """uvicorn re-raises SIGTERM once its graceful shutdown is done, so a fully drained
-        server would still die 'killed by signal'. Here a drained shutdown exits 0."""
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            handled = (signal.SIGINT, signal.SIGTERM)
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    return DrainingServer(config)
 
 
 def serve(config: ServerConfig) -> int:
@@ -99,9 +63,9 @@ def serve(config: ServerConfig) -> int:
 
         return supervise(config)
 
-    from clipserve.app import create_app
-    from clipserve.executors import build_runtime
-    from clipserve.http_server import build_uvicorn_config, ensure_fd_limit
+    from clipserve.http.app import create_app
+    from clipserve.http.server import build_uvicorn_config, draining_server, ensure_fd_limit
+    from clipserve.inference.runtime import build_runtime
 
     # Built before uvicorn starts so a failure is one line and a non-zero exit, not a traceback
     # from inside the lifespan protocol.
@@ -121,11 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args)
         configure_logging(config.http.log_level)
         if command == "export":
-            from clipserve.commands import export_main
+            from clipserve.inference.commands import export_main
 
             return export_main(config, args["output"])
         if command == "profile":
-            from clipserve.commands import profile_main
+            from clipserve.inference.commands import profile_main
 
             return profile_main(config, args["batches"], args["batch_size"])
         return serve(config)

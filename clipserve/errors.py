@@ -1,4 +1,4 @@
-"""Domain errors. They carry no HTTP types: `app.py` maps each class to a status code once."""
+"""Domain errors. They carry no HTTP types: `http/status.py` maps each to a status code once."""
 
 from __future__ import annotations
 

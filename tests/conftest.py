@@ -21,11 +21,11 @@ import uvicorn
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from clipserve.app import create_app
-from clipserve.bench.procs import TINY_CONFIG, clipserve_process
 from clipserve.config import ServerConfig, load_config
-from clipserve.http_server import build_uvicorn_config
-from clipserve.pipeline import Pipeline
+from clipserve.http.app import create_app
+from clipserve.http.pipeline import Pipeline
+from clipserve.http.server import build_uvicorn_config
+from clipserve.loadgen.procs import TINY_CONFIG, clipserve_process
 
 
 @pytest.fixture(scope="session")
@@ -154,7 +154,7 @@ def reference_embedding(model: Any, pixels: np.ndarray, normalize: bool = True) 
     import open_clip
 
     from clipserve.backends.base import normalise_numpy
-    from clipserve.preprocess import PreprocessSpec
+    from clipserve.inference.preprocess import PreprocessSpec
 
     spec = PreprocessSpec.from_open_clip(open_clip.get_model_preprocess_cfg(model))
     x = torch.from_numpy(normalise_numpy(pixels[None], spec))

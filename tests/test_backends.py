@@ -16,9 +16,9 @@ from clipserve.backends import cuda_graphs, ort
 from clipserve.backends.base import Executor, ExecutorSpec, normalise_numpy, warmup_sizes
 from clipserve.backends.onnx_export import cached_export
 from clipserve.backends.registry import BACKENDS, backend_candidates, create_executor
-from clipserve.commands import summarise_profile
 from clipserve.errors import StartupError
-from clipserve.model import load_model
+from clipserve.inference.commands import summarise_profile
+from clipserve.inference.model import load_model
 from tests.conftest import make_config
 
 RUNNABLE_HERE = ["torch", "ort-cpu", "fake"]

@@ -23,8 +23,8 @@ from clipserve.errors import (
     Overloaded,
     RequestTimeout,
 )
+from clipserve.inference.preprocess import PreprocessSpec
 from clipserve.metrics import Metrics
-from clipserve.preprocess import PreprocessSpec
 
 SPEC = PreprocessSpec((32, 32), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
 

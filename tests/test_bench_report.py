@@ -13,7 +13,7 @@ import pytest
 @pytest.mark.slow
 def test_quick_report_writes_every_section(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "clipserve.bench", "report", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "clipserve.loadgen", "report", "--quick", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

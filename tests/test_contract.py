@@ -196,7 +196,7 @@ def _word(n: int) -> str:
 
 
 def test_tokenizer_cache_stays_bounded(serve: Serve) -> None:
-    from clipserve import model
+    from clipserve.inference import model
 
     server = serve(backend="fake")
     tokenizer = server.state.runtime.model.tokenizer
@@ -220,7 +220,7 @@ def test_unexpected_errors_answer_opaque_json_500_with_the_usual_headers(
     """Not a domain error (a bug): the outermost layer answers it like every other error."""
     from prometheus_client import CollectorRegistry
 
-    from clipserve.app import RequestObserver
+    from clipserve.http.app import RequestObserver
     from clipserve.metrics import Metrics
 
     async def broken(scope: Any, receive: Any, send: Any) -> None:

@@ -90,9 +90,9 @@ def test_a_request_gone_while_its_batch_decodes_does_not_stop_the_worker() -> No
     from clipserve.backends.fake import FakeExecutor
     from clipserve.batching import Batcher
     from clipserve.config import BatchingConfig
-    from clipserve.gpu_decode import DeviceDecoder
+    from clipserve.inference.gpu_decode import DeviceDecoder
+    from clipserve.inference.preprocess import ImageDecoder, PreprocessSpec
     from clipserve.metrics import Metrics
-    from clipserve.preprocess import ImageDecoder, PreprocessSpec
 
     spec = PreprocessSpec((224, 224), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
     host = ImageDecoder(spec, 40_000_000)

@@ -11,7 +11,7 @@ import numpy as np
 from clipserve.engine.service import EngineService
 from clipserve.engine.slots import SlotArena
 from clipserve.engine.wire import Channel
-from clipserve.executors import build_runtime
+from clipserve.inference.runtime import build_runtime
 from clipserve.metrics import Metrics
 from tests.conftest import make_config, random_pixels
 

@@ -15,7 +15,7 @@ from clipserve.backends.base import ExecutorSpec
 from clipserve.backends.fake import FakeTextExecutor
 from clipserve.backends.registry import create_text_executor
 from clipserve.errors import ExecutorFatal, StartupError
-from clipserve.model import load_model
+from clipserve.inference.model import load_model
 from tests.conftest import RunningServer, make_config, png_bytes, random_pixels
 
 Serve = Callable[..., RunningServer]

@@ -25,7 +25,7 @@ from clipserve.backends.base import ExecutorInfo
 from clipserve.backends.onnx_export import import_onnxruntime
 from clipserve.backends.registry import BACKENDS, BackendEntry, Implementation, backend_candidates
 from clipserve.errors import ExecutorFatal, StartupError
-from clipserve.executors import build_runtime, device_thread
+from clipserve.inference.runtime import build_runtime, device_thread
 from tests.conftest import make_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,7 +77,7 @@ import sys
 from pathlib import Path
 import numpy as np
 import torch
-from clipserve.executors import build_runtime
+from clipserve.inference.runtime import build_runtime
 from tests.conftest import make_config
 
 config = make_config(Path(sys.argv[1]), Path(sys.argv[2]), backend="{backend}", gpus="cpu",
@@ -123,7 +123,7 @@ import ctypes, os, sys
 from pathlib import Path
 import numpy as np
 from clipserve.errors import StartupError
-from clipserve.executors import build_runtime
+from clipserve.inference.runtime import build_runtime
 from tests.conftest import make_config
 
 config = make_config(Path(sys.argv[1]), Path(sys.argv[2]), backend=sys.argv[4], gpus="1",
@@ -259,7 +259,7 @@ from clipserve.backends.base import ExecutorSpec
 from clipserve.backends.registry import create_executor
 from clipserve.backends.text_torch import TextExecutor
 from clipserve.errors import ExecutorFatal, StartupError
-from clipserve.model import load_model
+from clipserve.inference.model import load_model
 from tests.conftest import make_config
 
 name = sys.argv[4]
@@ -435,7 +435,7 @@ def test_text_tower_runs_on_its_own_stream(
     tiny_config: Path, tiny_checkpoint: Path, tiny_model: Any
 ) -> None:
     from clipserve.backends.text_torch import TextExecutor
-    from clipserve.model import load_model
+    from clipserve.inference.model import load_model
 
     model = load_model(make_config(tiny_config, tiny_checkpoint).model)
     text = TextExecutor(model, "cuda:0", "fp16")
@@ -455,7 +455,7 @@ def test_text_tower_runs_on_its_own_stream(
 def test_text_tower_thread_is_shared_on_cpu_and_separate_on_cuda() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from clipserve.executors import text_thread
+    from clipserve.inference.runtime import text_thread
 
     image = ThreadPoolExecutor(1)
     try:

@@ -1,4 +1,4 @@
-"""The device decoder (clipserve/gpu_decode.py): open_clip's pixels and embeddings, EXIF turns,
+"""The device decoder (inference/gpu_decode.py): open_clip's pixels and embeddings, EXIF turns,
 per-image fallback and errors, staging buffers. Runs on the CPU through torchvision's own
 decoder; the `gpu` tests repeat the pixel checks with nvJPEG where a CUDA device is present."""
 
@@ -16,11 +16,11 @@ import pytest
 import torch
 from PIL import Image
 
-from bench.images import encode, jpeg, synthetic_image
 from clipserve.backends.base import normalise_numpy
 from clipserve.errors import ExecutorFatal, ImageTooLarge, InvalidImage
-from clipserve.gpu_decode import DeviceDecoder, Header, crops_numpy
-from clipserve.preprocess import ImageDecoder, PreprocessSpec
+from clipserve.inference.gpu_decode import DeviceDecoder, Header, crops_numpy
+from clipserve.inference.preprocess import ImageDecoder, PreprocessSpec
+from clipserve.loadgen.images import encode, jpeg, synthetic_image
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # Measured on the CPU (torchvision's libjpeg-turbo) against open_clip's Pillow transform: max 2

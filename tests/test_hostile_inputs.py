@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench.images import encode, synthetic_image
 from clipserve.errors import (
     ClipserveError,
     ImageTooLarge,
@@ -32,7 +31,8 @@ from clipserve.errors import (
     TooManyItems,
     TooManyTexts,
 )
-from clipserve.preprocess import MAX_JPEG_SCANS, ImageDecoder, PreprocessSpec
+from clipserve.inference.preprocess import MAX_JPEG_SCANS, ImageDecoder, PreprocessSpec
+from clipserve.loadgen.images import encode, synthetic_image
 from clipserve.protocol.multipart import parse_files
 from clipserve.protocol.requests import parse_body
 from clipserve.protocol.tensors import parse_shape, parse_tensor
@@ -247,7 +247,7 @@ def test_animated_images_use_their_first_frame() -> None:
 
 PEAK_SCRIPT = textwrap.dedent("""
     import resource, sys
-    from clipserve.preprocess import ImageDecoder, PreprocessSpec
+    from clipserve.inference.preprocess import ImageDecoder, PreprocessSpec
     data = sys.stdin.buffer.read()
     spec = PreprocessSpec((224, 224), (0.5,) * 3, (0.5,) * 3)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

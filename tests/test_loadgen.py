@@ -1,4 +1,4 @@
-"""The load generator (clipserve.bench) against real servers: counts, percentiles, windows,
+"""The load generator (clipserve.loadgen) against real servers: counts, percentiles, windows,
 coordinated omission, and targets that refuse, fail or stall."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import uvicorn
 
-from clipserve.bench.images import SourceImage, synthetic_image
-from clipserve.bench.loadgen import LoadSpec, run_async, run_load
-from clipserve.bench.payloads import ModelInput, Request, build_requests
-from clipserve.bench.runner import run_point
-from clipserve.bench.server import fetch_info, parse_metrics
-from clipserve.bench.stats import Latencies
+from clipserve.loadgen.images import SourceImage, synthetic_image
+from clipserve.loadgen.loadgen import LoadSpec, run_async, run_load
+from clipserve.loadgen.payloads import ModelInput, Request, build_requests
+from clipserve.loadgen.runner import run_point
+from clipserve.loadgen.server import fetch_info, parse_metrics
+from clipserve.loadgen.stats import Latencies
 from tests.conftest import RunningServer, free_port, png_bytes, random_pixels
 
 Serve = Callable[..., RunningServer]
@@ -85,7 +85,7 @@ def test_every_payload_kind_is_served(serve: Serve) -> None:
     info = run_async(fetch_info(server.url))
     assert info is not None and info["model_name"] == "tiny-clip"
     sources = [SourceImage(synthetic_image(320, 240, seed)) for seed in range(6)]
-    from clipserve.bench.payloads import KINDS
+    from clipserve.loadgen.payloads import KINDS
 
     for name, kind in KINDS.items():
         n = 1 if kind.single else 3
@@ -227,7 +227,7 @@ def test_client_processes_merge(serve: Serve) -> None:
 def test_cli_sweeps_and_writes_table_json_csv_and_plot(
     serve: Serve, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from clipserve.bench.cli import main
+    from clipserve.loadgen.cli import main
 
     server = serve(backend="fake")
     out = tmp_path / "r"

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from clipserve.errors import InvalidImage, Overloaded
-from clipserve.executors import build_runtime
+from clipserve.http.pipeline import ImageWork, Pipeline, RequestContext, TextWork
+from clipserve.http.timing import StageTimer
+from clipserve.inference.runtime import build_runtime
+from clipserve.inference.towers import Towers
 from clipserve.metrics import Metrics
-from clipserve.pipeline import ImageWork, Pipeline, RequestContext, TextWork
-from clipserve.timing import StageTimer
-from clipserve.towers import Towers
 from tests.conftest import make_config, png_bytes, random_pixels
 
 

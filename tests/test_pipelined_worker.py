@@ -19,8 +19,8 @@ from clipserve.batching.queue import Admission, BatchQueue, WorkItem
 from clipserve.batching.worker import DeviceWorker
 from clipserve.config import BatchingConfig, ConfigError, load_config, resolve_device_defaults
 from clipserve.errors import ExecutorFailed, NonFiniteEmbedding, NotReady, RequestTimeout
+from clipserve.inference.preprocess import PreprocessSpec
 from clipserve.metrics import Metrics
-from clipserve.preprocess import PreprocessSpec
 
 SPEC = PreprocessSpec((32, 32), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -348,7 +348,7 @@ def test_cuda_launch_and_wait_match_run_and_own_their_rows(
 ) -> None:
     from clipserve.backends.base import ExecutorSpec
     from clipserve.backends.registry import create_executor
-    from clipserve.model import load_model
+    from clipserve.inference.model import load_model
     from tests.conftest import make_config
 
     config = make_config(tiny_config, tiny_checkpoint, backend=backend, gpus="0", max_batch_size=8)

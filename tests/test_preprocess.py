@@ -13,10 +13,10 @@ import torch
 from open_clip.transform import PreprocessCfg, image_transform_v2
 from PIL import Image, ImageOps
 
-from bench.images import encode, synthetic_image
 from clipserve.backends.base import normalise_numpy
 from clipserve.errors import ImageTooLarge, InvalidImage
-from clipserve.preprocess import ImageDecoder, PreprocessSpec
+from clipserve.inference.preprocess import ImageDecoder, PreprocessSpec
+from clipserve.loadgen.images import encode, synthetic_image
 
 CFG = PreprocessCfg(size=224)
 SPEC = PreprocessSpec.from_open_clip(

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from clipserve.backends.base import normalise_numpy
-from clipserve.preprocess import PreprocessSpec
+from clipserve.inference.preprocess import PreprocessSpec
 from tests.conftest import RunningServer, png_bytes, random_pixels, reference_embedding
 
 Serve = Callable[..., RunningServer]

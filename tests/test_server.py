@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.images import encode, synthetic_image
+from clipserve.loadgen.images import encode, synthetic_image
 from tests.conftest import RunningServer, png_bytes, random_pixels, reference_embedding
 
 Serve = Callable[..., RunningServer]

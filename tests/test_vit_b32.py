@@ -13,8 +13,8 @@ import torch
 from open_clip.transform import PreprocessCfg, image_transform_v2
 from PIL import Image
 
-from bench.images import jpeg
 from clipserve.config import load_config
+from clipserve.loadgen.images import jpeg
 from tests.conftest import png_bytes, random_pixels, reference_embedding, running
 
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ def test_vit_b32_onnx_export_matches_pytorch(tmp_path: Path) -> None:
         {"model": "ViT-B-32", "pretrained": "none", "backend": "ort-cpu", "gpus": "cpu",
          "max_batch_size": "4", "cache_dir": str(tmp_path)}, environ={},
     )  # fmt: skip
-    from clipserve.model import load_model
+    from clipserve.inference.model import load_model
 
     model = load_model(config.model)
     executor = create_executor(model, ExecutorSpec.from_config(config), "cpu")

@@ -28,8 +28,8 @@ import psutil
 import pytest
 from PIL import Image
 
-from clipserve.bench.procs import free_port
 from clipserve.engine.slots import shm_dir
+from clipserve.loadgen.procs import free_port
 
 LATENCY_MS = 150  # the fake device's time per batch: long enough for batches to form
 FRONT_ENDS = 2

@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from clipserve.bench.procs import free_port
+from clipserve.loadgen.procs import free_port
 
 
 def _run(*flags: str) -> subprocess.CompletedProcess[str]:

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Protocol, cast
 import numpy as np
 
 from clipserve.config import ModelConfig
-from clipserve.preprocess import PreprocessSpec
+from clipserve.inference.preprocess import PreprocessSpec
 
 if TYPE_CHECKING:
     from clipserve.config import ServerConfig
-    from clipserve.model import LoadedModel
+    from clipserve.inference.model import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from clipserve.backends.torch_eager import TorchExecutor, default_precision
 from clipserve.errors import StartupError
 
 if TYPE_CHECKING:
-    from clipserve.model import LoadedModel
+    from clipserve.inference.model import LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -50,8 +50,8 @@ from clipserve.backends.base import (
 from clipserve.errors import ExecutorFatal, StartupError
 
 if TYPE_CHECKING:
-    from clipserve.model import LoadedModel
-    from clipserve.preprocess import PreprocessSpec
+    from clipserve.inference.model import LoadedModel
+    from clipserve.inference.preprocess import PreprocessSpec
 
 _GRID = 4  # features are per-channel means over a 4x4 grid of cells
 _TOKEN_ROWS = 4096  # the fake text tower's table: one row per (token id, position) mod this

@@ -26,8 +26,8 @@ import numpy as np
 
 from clipserve.backends.base import normalisation_affine
 from clipserve.errors import StartupError
-from clipserve.model import LoadedModel
-from clipserve.preprocess import PreprocessSpec
+from clipserve.inference.model import LoadedModel
+from clipserve.inference.preprocess import PreprocessSpec
 
 log = logging.getLogger(__name__)
 

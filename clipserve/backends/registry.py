@@ -14,7 +14,7 @@ from clipserve.backends.base import Executor, ExecutorSpec, Factory
 from clipserve.errors import StartupError
 
 if TYPE_CHECKING:
-    from clipserve.model import LoadedModel
+    from clipserve.inference.model import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +72,9 @@ BACKENDS: dict[str, BackendEntry] = {
 }
 
 # `--backend auto` tries these in order, keeping the first that is available on the device and
-# starts there (executors.py); each one skipped is logged with its reason.
+# starts there (inference/runtime.py); each one skipped is logged with its reason.
 # On the CPU torch comes before ort-cpu: faster at every batch size measured here
-# (bench/results/executors-cpu.json), once torch runs on a single OpenMP team (executors.py).
+# (bench/results/executors-cpu.json), on a single OpenMP team (inference/runtime.py).
 AUTO_ORDER = ("ort-trt", "cuda-graphs", "ort-cuda", "torch", "ort-cpu")
 
 

@@ -18,7 +18,7 @@ from clipserve.backends.device import device_context, fatal_device_errors
 from clipserve.backends.torch_eager import default_precision
 
 if TYPE_CHECKING:
-    from clipserve.model import LoadedModel
+    from clipserve.inference.model import LoadedModel
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 

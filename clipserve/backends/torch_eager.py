@@ -33,7 +33,7 @@ from clipserve.config import resolve_workers
 from clipserve.errors import StartupError
 
 if TYPE_CHECKING:
-    from clipserve.model import LoadedModel
+    from clipserve.inference.model import LoadedModel
 
 log = logging.getLogger(__name__)
 

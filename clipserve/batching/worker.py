@@ -267,7 +267,7 @@ class DeviceWorker:
     def _decoded(
         self, encoded: list[bytes]
     ) -> tuple[np.ndarray, list[int], dict[int, ClipserveError]]:
-        from clipserve.gpu_decode import crops_numpy
+        from clipserve.inference.gpu_decode import crops_numpy
 
         decoded = self.decoder.decode(encoded)
         # Crops come back to the host and the executor copies them in again (~150 KB each

@@ -22,9 +22,9 @@ from clipserve.config import ServerConfig, resolve_workers
 from clipserve.engine import wire
 from clipserve.engine.slots import SlotArena, segment_path
 from clipserve.errors import NotReady
-from clipserve.model import LoadedModel
-from clipserve.preprocess import ImageDecoder, PreprocessSpec
-from clipserve.towers import WorkerStatus, worker_statuses
+from clipserve.inference.model import LoadedModel
+from clipserve.inference.preprocess import ImageDecoder, PreprocessSpec
+from clipserve.inference.towers import WorkerStatus, worker_statuses
 
 log = logging.getLogger(__name__)
 RECONNECT_S = 0.2
@@ -69,7 +69,7 @@ class FrontRuntime:
     def from_card(cls, card: dict[str, Any], config: ServerConfig, slot_bytes: int) -> FrontRuntime:
         import open_clip
 
-        from clipserve.model import resolve_name
+        from clipserve.inference.model import resolve_name
 
         pre = card["preprocess"]
         spec = PreprocessSpec(
@@ -87,7 +87,7 @@ class FrontRuntime:
         decoder = ImageDecoder.from_limits(spec, config.limits)
         image_input = None
         if config.backend.decode == "gpu":  # the engine decodes JPEGs that fit a slot
-            from clipserve.gpu_decode import EncodedAtAdmission
+            from clipserve.inference.gpu_decode import EncodedAtAdmission
 
             image_input = EncodedAtAdmission(decoder, max_bytes=slot_bytes)
         return cls(served_config(config, card), model, card["backend"], list(card["devices"]),

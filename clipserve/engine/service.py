@@ -22,9 +22,9 @@ from clipserve.config import ServerConfig
 from clipserve.engine import wire
 from clipserve.engine.slots import SlotArena
 from clipserve.errors import ClipserveError, NotReady, StartupError
-from clipserve.executors import Runtime
+from clipserve.inference.runtime import Runtime
+from clipserve.inference.towers import Towers
 from clipserve.metrics import Metrics
-from clipserve.towers import Towers
 
 log = logging.getLogger(__name__)
 STATUS_INTERVAL_S = 0.25
@@ -249,14 +249,12 @@ def engine_main(
     config: ServerConfig, socket_path: str, ready: Connection, supervisor_pid: int
 ) -> None:
     """The engine process's entry: build, warm up, tell the supervisor, serve until SIGTERM."""
-    from clipserve.cli import configure_logging
-    from clipserve.engine.supervisor import watch_parent
-    from clipserve.executors import build_runtime
+    from clipserve.engine.child import start_child
+    from clipserve.inference.runtime import build_runtime
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the
     # supervisor drains the front ends first, then stops the engine with SIGTERM.
-    configure_logging(config.http.log_level, role="engine")
-    watch_parent(supervisor_pid)
+    start_child(config.http.log_level, "engine", supervisor_pid)
     try:
         runtime = build_runtime(config)
     except StartupError as e:

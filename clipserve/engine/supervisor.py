@@ -18,7 +18,6 @@ import shutil
 import signal
 import socket
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -33,66 +32,7 @@ from clipserve.errors import StartupError
 log = logging.getLogger("clipserve.supervisor")
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 ENGINE_START_TIMEOUT_S = 600.0  # loading and warming up a model (a TensorRT build included)
-FRONTEND_START_TIMEOUT_S = 60.0
 BACKOFF_MAX_S = 10.0
-
-
-def watch_parent(parent_pid: int) -> None:
-    """If the supervisor dies (even by SIGKILL), this process drains and exits rather than
-    serve on unsupervised."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="clipserve-parent-watch", daemon=True).start()
-
-
-def reuseport_socket(host: str, port: int) -> socket.socket:
-    """Bound, not listening: uvicorn listens once the app has started, so the kernel sends a
-    (re)starting front end no connection before it can answer them."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    return sock
-
-
-def frontend_main(
-    config: ServerConfig,
-    socket_path: str,
-    card: dict[str, Any],
-    index: int,
-    parent: int,
-    together: Any = None,
-) -> None:
-    """A front end's entry: the same app and uvicorn settings as one process, its towers
-    remote, its listening socket one of the port's SO_REUSEPORT group. `together` (a
-    multiprocessing Barrier, at the first start only) holds each front end until all have
-    imported what they need, so they start listening together: one that listened alone would
-    be handed every early connection, and keep them."""
-    from clipserve.app import create_app
-    from clipserve.cli import configure_logging, draining_server
-    from clipserve.http_server import build_uvicorn_config, ensure_fd_limit
-
-    configure_logging(config.http.log_level, role=f"frontend {index}")
-    watch_parent(parent)
-    import open_clip  # noqa: F401  the tokenizer's (and torch's) import: the slow part of startup
-
-    if together is not None:
-        try:
-            together.wait(FRONTEND_START_TIMEOUT_S)
-        except threading.BrokenBarrierError:
-            log.warning("front end %d: the others did not start in time; starting alone", index)
-    app = create_app(config, engine=(socket_path, card))
-    ensure_fd_limit(config.http.max_connections)
-    sock = reuseport_socket(config.http.host, config.http.port)
-    server = draining_server(build_uvicorn_config(app, config.http))
-    server.run(sockets=[sock])
-    logging.shutdown()
-    os._exit(0)  # skips interpreter teardown: extension modules' exit-time noise
 
 
 @dataclass
@@ -205,6 +145,8 @@ class Supervisor:
         self.card = payload
 
     def _start_front(self, index: int, together: Any = None) -> None:
+        from clipserve.engine.frontend import frontend_main
+
         process = self.ctx.Process(
             target=frontend_main, name=f"clipserve-frontend-{index}",
             args=(self.config, self.socket_path, self.card, index, self.pid, together),

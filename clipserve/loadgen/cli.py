@@ -13,12 +13,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from clipserve.bench.images import load_images, parse_size
-from clipserve.bench.loadgen import LoadSpec, run_async
-from clipserve.bench.output import csv_text, details, plot, table, write_json
-from clipserve.bench.payloads import ACCEPT, KINDS, ModelInput, build_requests
-from clipserve.bench.runner import PointResult, run_point
-from clipserve.bench.server import fetch_info
+from clipserve.loadgen.images import load_images, parse_size
+from clipserve.loadgen.loadgen import LoadSpec, run_async
+from clipserve.loadgen.output import csv_text, details, plot, table, write_json
+from clipserve.loadgen.payloads import ACCEPT, KINDS, ModelInput, build_requests
+from clipserve.loadgen.runner import PointResult, run_point
+from clipserve.loadgen.server import fetch_info
 
 
 def _numbers(text: str, cast: type[float] | type[int]) -> list[float] | list[int]:
@@ -217,11 +217,11 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["report"]:
-        from clipserve.bench.report import main as report_main
+        from clipserve.loadgen.report import main as report_main
 
         return report_main(argv[1:])
     if argv[:1] == ["ceiling"]:
-        from clipserve.bench.ceiling import main as ceiling_main
+        from clipserve.loadgen.ceiling import main as ceiling_main
 
         return ceiling_main(argv[1:])
     return run(build_parser().parse_args(argv))

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from clipserve.bench.runner import PointResult
+from clipserve.loadgen.runner import PointResult
 
 COLUMNS = (
     "load",

@@ -21,7 +21,7 @@ def measure_executor(
     """Build the executor `flags` describe (server flag names), then images/s and median latency
     per batch size on uint8 NHWC input. Imports torch: run it where that is acceptable."""
     from clipserve.config import load_config
-    from clipserve.executors import build_runtime
+    from clipserve.inference.runtime import build_runtime
 
     t0 = time.perf_counter()
     runtime = build_runtime(load_config(dict(flags), environ={}))

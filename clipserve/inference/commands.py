@@ -17,7 +17,7 @@ from clipserve.config import ServerConfig
 def export_main(config: ServerConfig, output: Path | None) -> int:
     """Export the image tower (dynamic batch, opset 18), check it, compare it with PyTorch."""
     from clipserve.backends.onnx_export import cached_export, export
-    from clipserve.model import load_model
+    from clipserve.inference.model import load_model
 
     model = load_model(config.model)
     precision = config.backend.precision or "fp32"
@@ -57,7 +57,7 @@ def profile_main(config: ServerConfig, batches: int, batch_size: int) -> int:
     from clipserve.backends.device import select_device
     from clipserve.backends.registry import resolve_devices
     from clipserve.errors import StartupError
-    from clipserve.model import load_model
+    from clipserve.inference.model import load_model
 
     backend = config.backend.backend
     if backend not in ("ort-cpu", "ort-cuda", "ort-trt"):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from clipserve import pipeline
 from clipserve.errors import InvalidParameter
-from clipserve.pipeline import ImageWork, Pipeline, TextWork
+from clipserve.http import pipeline
+from clipserve.http.pipeline import ImageWork, Pipeline, TextWork
 from clipserve.protocol.media import negotiate
 from clipserve.protocol.requests import ImageCodec, image_codec
 from clipserve.protocol.responses import RESPONSE_TYPES, encode_embeddings, out_dtype

@@ -17,8 +17,8 @@ import msgpack
 import numpy as np
 import orjson
 
-from clipserve.bench.images import SourceImage, encode
-from clipserve.preprocess import ImageDecoder, PreprocessSpec
+from clipserve.inference.preprocess import ImageDecoder, PreprocessSpec
+from clipserve.loadgen.images import SourceImage, encode
 
 ACCEPT = {
     "json": "application/json",

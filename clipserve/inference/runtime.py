@@ -35,8 +35,8 @@ from clipserve.backends.registry import (
 )
 from clipserve.config import ServerConfig, resolve_device_defaults, resolve_workers
 from clipserve.errors import StartupError
-from clipserve.model import LoadedModel, load_model
-from clipserve.preprocess import ImageDecoder
+from clipserve.inference.model import LoadedModel, load_model
+from clipserve.inference.preprocess import ImageDecoder
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def build_runtime(config: ServerConfig) -> Runtime:
 def _add_device_decoders(runtime: Runtime, devices: list[str]) -> None:
     """--decode gpu: a batch decoder per device, made on the device's own thread (simulated
     devices decode on the CPU, with the same code)."""
-    from clipserve.gpu_decode import DeviceDecoder, EncodedAtAdmission
+    from clipserve.inference.gpu_decode import DeviceDecoder, EncodedAtAdmission
 
     for device, thread in zip(devices, runtime.threads, strict=True):
         where = device if device.startswith("cuda") else "cpu"

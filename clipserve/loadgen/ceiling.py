@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from clipserve.bench.procs import free_port, pin, stop
+from clipserve.loadgen.procs import free_port, pin, stop
 
 CONNECTIONS = 64
 
@@ -54,7 +54,7 @@ def _cpus() -> tuple[set[int] | None, set[int] | None]:
 def trivial_server(cpus: set[int] | None) -> Iterator[str]:
     port = free_port()
     code = (
-        "import uvicorn; uvicorn.run('clipserve.bench.ceiling:trivial_app', host='127.0.0.1',"
+        "import uvicorn; uvicorn.run('clipserve.loadgen.ceiling:trivial_app', host='127.0.0.1',"
         f" port={port}, log_level='warning', loop='uvloop', http='httptools')"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], preexec_fn=pin(cpus))
@@ -100,7 +100,7 @@ def run_ours(url: str, seconds: float, cpus: set[int] | None, procs: int = 1) ->
         cmd = [
             sys.executable,
             "-m",
-            "clipserve.bench",
+            "clipserve.loadgen",
             "--url",
             url,
             "--payload",

@@ -41,7 +41,7 @@ from PIL import ExifTags
 
 from clipserve.backends.device import is_fatal_device_error
 from clipserve.errors import ClipserveError, ExecutorFatal
-from clipserve.preprocess import (
+from clipserve.inference.preprocess import (
     MAX_RESIZED_PIXELS,
     ImageDecoder,
     center_box,

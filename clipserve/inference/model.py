@@ -14,7 +14,7 @@ import numpy as np
 
 from clipserve.config import ModelConfig
 from clipserve.errors import StartupError
-from clipserve.preprocess import PreprocessSpec
+from clipserve.inference.preprocess import PreprocessSpec
 
 log = logging.getLogger(__name__)
 TOKENIZER_CACHE_ENTRIES = 50_000

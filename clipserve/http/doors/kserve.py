@@ -15,10 +15,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from clipserve import pipeline
 from clipserve.errors import ModelNotFound, UnsupportedMediaType
-from clipserve.pipeline import ImageWork, Pipeline, TextWork
-from clipserve.pipeline import Tower as Batching
+from clipserve.http import pipeline
+from clipserve.http.pipeline import ImageWork, Pipeline, TextWork
+from clipserve.http.pipeline import Tower as Batching
 from clipserve.protocol import kserve as codec
 from clipserve.protocol.media import JSON
 

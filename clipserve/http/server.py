@@ -11,10 +11,14 @@ their `uvicorn.Config` with `build_uvicorn_config`, so tests run the real settin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http
 import logging
 import math
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import uvicorn
@@ -313,3 +317,25 @@ def ensure_fd_limit(max_connections: int) -> None:
             "open-file limit %d leaves room for %d connections, below --max-connections %d",
             new, new - FD_HEADROOM, max_connections,
         )  # fmt: skip
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn re-raises SIGTERM once its graceful shutdown is done, so a fully drained server
+    would still die 'killed by signal'. Here a drained shutdown exits 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def draining_server(config: uvicorn.Config) -> DrainingServer:
+    return DrainingServer(config)

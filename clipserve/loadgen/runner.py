@@ -13,10 +13,10 @@ from typing import Any
 
 import aiohttp
 
-from clipserve.bench.loadgen import LoadSpec, progress_printer, run_async, run_load
-from clipserve.bench.payloads import Request
-from clipserve.bench.server import Breakdown, breakdown, scrape
-from clipserve.bench.stats import Tally
+from clipserve.loadgen.loadgen import LoadSpec, progress_printer, run_async, run_load
+from clipserve.loadgen.payloads import Request
+from clipserve.loadgen.server import Breakdown, breakdown, scrape
+from clipserve.loadgen.stats import Tally
 
 # Past these the client, not the server, may be what was measured.
 CPU_SATURATED = 0.85  # of one core, per client process

@@ -15,10 +15,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from clipserve import pipeline
 from clipserve.batching import Completed
 from clipserve.errors import ModelNotFound
-from clipserve.pipeline import ImageWork, Pipeline, TextWork
+from clipserve.http import pipeline
+from clipserve.http.pipeline import ImageWork, Pipeline, TextWork
 from clipserve.protocol import openai as codec
 from clipserve.protocol.media import JSON
 

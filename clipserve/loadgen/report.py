@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clipserve.bench.images import SourceImage, load_images
-from clipserve.bench.loadgen import LoadSpec, run_async
-from clipserve.bench.payloads import KINDS, ModelInput, Request, build_requests
-from clipserve.bench.procs import clipserve_server, machine, machine_slug, tiny_model
-from clipserve.bench.runner import PointResult, run_point
-from clipserve.bench.server import fetch_info
+from clipserve.loadgen.images import SourceImage, load_images
+from clipserve.loadgen.loadgen import LoadSpec, run_async
+from clipserve.loadgen.payloads import KINDS, ModelInput, Request, build_requests
+from clipserve.loadgen.procs import clipserve_server, machine, machine_slug, tiny_model
+from clipserve.loadgen.runner import PointResult, run_point
+from clipserve.loadgen.server import fetch_info
 
 SECTIONS = ("executors", "protocols", "grid", "devices", "baseline", "ceiling")
 
@@ -98,7 +98,7 @@ def _md(headers: list[str], rows: list[list[Any]]) -> str:
 
 
 def executors(plan: Plan) -> tuple[str, Any]:
-    from clipserve.bench.offline import measure_executor
+    from clipserve.loadgen.offline import measure_executor
 
     sizes = [1, 8, 32] if plan.quick else [1, 4, 8, 16, 32, 64]
     variants = ["torch", "ort-cpu"] if plan.quick else ["torch", "ort-cpu", "torch+compile"]
@@ -303,7 +303,7 @@ def baseline(plan: Plan) -> tuple[str, Any]:
 def ceiling(plan: Plan) -> tuple[str, Any]:
     import shutil
 
-    from clipserve.bench.ceiling import compare, summary_markdown
+    from clipserve.loadgen.ceiling import compare, summary_markdown
 
     if not shutil.which("wrk"):
         return "Skipped: `wrk` is not installed (`apt-get install wrk`).", None

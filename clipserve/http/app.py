@@ -21,13 +21,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from clipserve import errors, kserve_api, openai_api, routes
+from clipserve import errors
 from clipserve.config import ServerConfig
-from clipserve.executors import Runtime, build_runtime
+from clipserve.http.doors import kserve as kserve_api
+from clipserve.http.doors import native as routes
+from clipserve.http.doors import openai as openai_api
+from clipserve.http.pipeline import ClientGone, Pipeline, Serving, Tower
+from clipserve.inference.runtime import Runtime, build_runtime
+from clipserve.inference.towers import Towers, add_status_gauges
 from clipserve.metrics import Metrics
-from clipserve.pipeline import ClientGone, Pipeline, Serving, Tower
 from clipserve.protocol.responses import encode_error
-from clipserve.towers import Towers, add_status_gauges
 
 log = logging.getLogger(__name__)
 

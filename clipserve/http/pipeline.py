@@ -31,10 +31,10 @@ from clipserve.errors import (
     RequestTimeout,
     with_item_index,
 )
+from clipserve.http.timing import StageTimer
+from clipserve.inference.model import LoadedModel
+from clipserve.inference.preprocess import ImageDecoder
 from clipserve.metrics import Metrics
-from clipserve.model import LoadedModel
-from clipserve.preprocess import ImageDecoder
-from clipserve.timing import StageTimer
 
 T = TypeVar("T")
 DEADLINE_HEADER = "x-request-timeout-ms"

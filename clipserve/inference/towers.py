@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clipserve.batching import Batcher
-from clipserve.executors import Runtime
+from clipserve.inference.runtime import Runtime
 from clipserve.metrics import Metrics
 
 

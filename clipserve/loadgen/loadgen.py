@@ -24,8 +24,8 @@ from typing import Any, TextIO, TypeVar
 
 import aiohttp
 
-from clipserve.bench.payloads import Request
-from clipserve.bench.stats import Tally
+from clipserve.loadgen.payloads import Request
+from clipserve.loadgen.stats import Tally
 
 T = TypeVar("T")
 _TIMING = re.compile(r"([\w-]+);dur=([0-9.]+)")

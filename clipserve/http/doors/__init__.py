@@ -1,0 +1,1 @@
+"""One module per API family; each bundles its routes, parsing, encoding and error shape."""

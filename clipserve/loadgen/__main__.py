@@ -1,0 +1,5 @@
+import sys
+
+from clipserve.loadgen.cli import main
+
+sys.exit(main())
