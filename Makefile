@@ -41,7 +41,7 @@ bench-report: $(STAMP)
 
 # Every GPU path measured on this machine's first CUDA device, into one JSON under bench/results/
 # (~20 min; ARGS="--allow-cpu --quick" checks the tool itself without a GPU). Needs no venv:
-# a GPU host's own python with the wheel set in bench/gpu_check.py's docstring.
+# a GPU host's own python with the wheel set in bench/gpu_check/__init__.py's docstring.
 gpu-check: ARGS =
 gpu-check:
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m bench.gpu_check $(ARGS)

@@ -1,12 +1,29 @@
-"""What every benchmark script shares: the model flags and how the machine is named."""
+"""What every benchmark script shares: the model flags, how the machine is named, CLIP's
+preprocessing, timing and how a series of measurements is summarised."""
 
 from __future__ import annotations
 
 import argparse
 import platform
+import statistics
+import sys
 import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
 
+from clipserve.inference.preprocess import PreprocessSpec
 from clipserve.loadgen.procs import machine as bench_machine
+
+T = TypeVar("T")
+
+# The repository root: the working directory of the servers and tools the benchmarks start.
+REPO = Path(__file__).resolve().parent.parent
+
+# OpenAI CLIP's 224x224 crop and normalisation, as ViT-B-32 uses them.
+CLIP_SPEC = PreprocessSpec(
+    (224, 224), (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+)
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,3 +53,33 @@ def machine() -> str:
 
 def utc_now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def timed(fn: Callable[[], object], repeat: int) -> list[float]:
+    """Seconds per call of `fn`, `repeat` calls."""
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def spread(values: Sequence[float], digits: int) -> dict[str, float]:
+    """The median of repeated measurements with their min and max, rounded to `digits`."""
+    return {
+        "median": round(statistics.median(values), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
+    }
+
+
+def rotated(items: Sequence[T], by: int) -> list[T]:
+    """Each round starts with a different variant: drift on a shared machine spreads evenly."""
+    k = by % len(items) if items else 0
+    return [*items[k:], *items[:k]]
+
+
+def say(msg: str) -> None:
+    """A progress line on stderr, with the time."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

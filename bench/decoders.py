@@ -23,19 +23,18 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps
 
+from bench.common import CLIP_SPEC, REPO, spread, timed, utc_now
 from clipserve.inference import preprocess
-from clipserve.inference.preprocess import ImageDecoder, PreprocessSpec
+from clipserve.inference.preprocess import ImageDecoder
 from clipserve.loadgen.images import jpeg
 from clipserve.loadgen.procs import cpu_model
 
-SPEC = PreprocessSpec(
-    (224, 224), (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
-)
 SIZES = [(256, 256), (640, 480), (1920, 1080)]
 
 
@@ -50,22 +49,18 @@ def reference(data: bytes) -> np.ndarray:
     return np.asarray(img)
 
 
-def timed(fn, data: bytes, repeat: int) -> float:
+def ms_per_call(fn: Callable[[bytes], object], data: bytes, repeat: int) -> float:
+    """Median ms of `fn(data)`, after one call to warm up."""
     fn(data)
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn(data)
-        samples.append(time.perf_counter() - t0)
-    return float(np.median(samples) * 1000)
+    return float(np.median(timed(lambda: fn(data), repeat)) * 1000)
 
 
 def variants() -> dict[str, object]:
-    out: dict[str, object] = {"exact": ImageDecoder(SPEC, 10**9, fast=False)}
+    out: dict[str, object] = {"exact": ImageDecoder(CLIP_SPEC, 10**9, fast=False)}
     for margin in (1, 2):
 
         def make(m: int = margin) -> object:
-            dec = ImageDecoder(SPEC, 10**9, fast=True)
+            dec = ImageDecoder(CLIP_SPEC, 10**9, fast=True)
 
             def run(data: bytes) -> np.ndarray:
                 old = preprocess.DRAFT_MARGIN
@@ -84,9 +79,9 @@ def variants() -> dict[str, object]:
         def sj(data: bytes) -> np.ndarray:
             arr = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=224, min_width=224)
             img = Image.fromarray(arr)
-            w, h = preprocess.resized_size(*img.size, SPEC)
+            w, h = preprocess.resized_size(*img.size, CLIP_SPEC)
             img = img.resize((w, h), Image.Resampling.BICUBIC)
-            return np.asarray(img.crop(preprocess.center_box(w, h, SPEC)))
+            return np.asarray(img.crop(preprocess.center_box(w, h, CLIP_SPEC)))
 
         out["simplejpeg(min224)+bicubic"] = sj
     except ImportError:
@@ -100,8 +95,8 @@ def corpus(count: int = 16, size: tuple[int, int] = (640, 480)) -> list[bytes]:
 
 def per_core_round(images: list[bytes], seconds: float, batch: int = 64) -> dict[str, float]:
     """One round in this interpreter, on one thread: ms per image for each decoder it has."""
-    fast = ImageDecoder(SPEC, 10**9)
-    exact = ImageDecoder(SPEC, 10**9, fast=False)
+    fast = ImageDecoder(CLIP_SPEC, 10**9)
+    exact = ImageDecoder(CLIP_SPEC, 10**9, fast=False)
 
     def loop(fn: object) -> float:
         n, start = 0, time.perf_counter()
@@ -145,40 +140,46 @@ def per_core(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     pythons = {"pillow": sys.executable}
     pythons.update(dict(item.split("=", 1) for item in args.python))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     samples: dict[str, list[float]] = {}
     versions = {}
     for r in range(args.rounds):
         for name, python in pythons.items():  # interleaved: a noisy moment hits every one
-            cmd = ["taskset", "-c", str(args.core), python, "-m", "bench.decoders", "round",
-                   "--seconds", str(args.seconds)]  # fmt: skip
-            doc = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True,
-                                            env=env).stdout)  # fmt: skip
+            cmd = ["taskset", "-c", str(args.core), python, "-m", "bench.decoders", "round"]
+            cmd += ["--seconds", str(args.seconds)]
+            proc = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+            doc = json.loads(proc.stdout)
             versions[name] = doc.pop("_pillow")
             for decoder, ms in doc.items():
                 samples.setdefault(f"{name}: {decoder}", []).append(ms)
         print(f"round {r + 1}/{args.rounds}", flush=True)
     rows = []
-    for key, ms in samples.items():
-        rows.append({
-            "decoder": key, "ms_median": round(statistics.median(ms), 3),
-            "ms_min": round(min(ms), 3), "ms_max": round(max(ms), 3),
-            "images_per_s_per_core": round(1000 / statistics.median(ms), 1),
-        })  # fmt: skip
     base = samples["pillow: pillow-draft"]
-    for row in rows:  # paired within each round: noise common to a round cancels
-        ratios = [b / ms for b, ms in zip(base, samples[row["decoder"]], strict=True)]
-        row["speedup_vs_pillow_draft"] = {
-            "median": round(statistics.median(ratios), 3),
-            "min": round(min(ratios), 3), "max": round(max(ratios), 3),
-        }  # fmt: skip
+    for key, ms in samples.items():
+        ms_spread = spread(ms, 3)
+        row: dict[str, object] = {
+            "decoder": key,
+            "ms_median": ms_spread["median"],
+            "ms_min": ms_spread["min"],
+            "ms_max": ms_spread["max"],
+            "images_per_s_per_core": round(1000 / statistics.median(ms), 1),
+        }
+        # Paired within each round: noise common to a round cancels.
+        ratios = [b / x for b, x in zip(base, ms, strict=True)]
+        row["speedup_vs_pillow_draft"] = spread(ratios, 3)
+        rows.append(row)
         print(row)
     doc = {
-        "benchmark": "decoders-per-core", "machine": cpu_model(),
-        "input": "640x480 q90 synthetic JPEG -> 224x224 uint8 crop", "core": args.core,
-        "rounds": args.rounds, "seconds_per_round": args.seconds, "pillow": versions,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
-    }  # fmt: skip
+        "benchmark": "decoders-per-core",
+        "machine": cpu_model(),
+        "input": "640x480 q90 synthetic JPEG -> 224x224 uint8 crop",
+        "core": args.core,
+        "rounds": args.rounds,
+        "seconds_per_round": args.seconds,
+        "pillow": versions,
+        "time": utc_now(),
+        "rows": rows,
+    }
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
 
 
@@ -206,17 +207,22 @@ def main() -> None:
         for name, fn in variants().items():
             pixels = fn(data).astype(np.int16)  # type: ignore[operator]
             diff = np.abs(pixels - ref)
-            rows.append({
-                "input": f"{w}x{h} q90", "decoder": name,
-                "ms": round(timed(fn, data, args.repeat), 3),  # type: ignore[arg-type]
+            row = {
+                "input": f"{w}x{h} q90",
+                "decoder": name,
+                "ms": round(ms_per_call(fn, data, args.repeat), 3),  # type: ignore[arg-type]
                 "mean_abs_pixel_diff": round(float(diff.mean()), 3),
                 "max_abs_pixel_diff": int(diff.max()),
-            })  # fmt: skip
-            print(rows[-1])
+            }
+            rows.append(row)
+            print(row)
     result = {
-        "benchmark": "decoders", "machine": platform.processor() or platform.machine(),
-        "pillow": Image.__version__, "threads": 1, "rows": rows,
-    }  # fmt: skip
+        "benchmark": "decoders",
+        "machine": platform.processor() or platform.machine(),
+        "pillow": Image.__version__,
+        "threads": 1,
+        "rows": rows,
+    }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -16,6 +16,21 @@ from bench.common import add_model_flags, describe_model, machine, model_flags, 
 from clipserve.loadgen.offline import measure_executor
 
 
+def executor_flags(model: dict[str, str], variant: str, sizes: list[int]) -> dict[str, str]:
+    """The server flags of one variant, `backend[+precision][+compile]` (say torch+fp16+compile),
+    with room for the largest of `sizes` in one batch, one image per request."""
+    backend, *extras = variant.split("+")
+    largest = str(max(sizes))
+    flags = {**model, "backend": backend, "max_batch_size": largest, "max_queue_size": largest}
+    flags["max_items_per_request"] = "1"
+    for extra in extras:
+        if extra == "compile":
+            flags["compile"] = "true"
+        else:
+            flags["precision"] = extra
+    return flags
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_flags(parser)
@@ -28,16 +43,10 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     results = []
     for variant in args.backends.split(","):
-        backend, _, extra = variant.partition("+")
-        flags = {**model_flags(args), "backend": backend, "max_batch_size": str(max(sizes)),
-                 "max_queue_size": str(max(sizes)), "max_items_per_request": "1"}  # fmt: skip
-        if extra == "compile":
-            flags["compile"] = "true"
-        elif extra:
-            flags["precision"] = extra
+        flags = executor_flags(model_flags(args), variant, sizes)
         print(f"{variant} ...", flush=True)
-        results.append({"variant": variant, **measure_executor(
-            flags, sizes, min_time_s=args.min_time, min_runs=args.min_runs)})  # fmt: skip
+        result = measure_executor(flags, sizes, min_time_s=args.min_time, min_runs=args.min_runs)
+        results.append({"variant": variant, **result})
     doc = {
         "benchmark": "executors",
         "machine": machine(),

@@ -23,10 +23,8 @@ import argparse
 import asyncio
 import json
 import random
-import re
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,13 +32,25 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from bench.common import machine, utc_now
+from bench.common import machine, timed, utc_now
+from bench.metrics import scrape, total
 from clipserve.backends.fake import FakeExecutor
 from clipserve.inference.preprocess import PreprocessSpec
 from clipserve.loadgen.images import jpeg
 from clipserve.loadgen.procs import clipserve_server, tiny_model
 
 TENSOR_IMAGES = 4  # images per raw-tensor request
+# What each level prints as it ends.
+PROGRESS = (
+    "protocol",
+    "request_timeout_s",
+    "overload",
+    "goodput_over_capacity",
+    "hung",
+    "latency_503_ms",
+    "computed_over_answered",
+    "statuses",
+)
 
 
 @dataclass
@@ -78,15 +88,6 @@ class Answer:
     retry_after: int | None = None
 
 
-def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {
-        name: float(value)
-        for name, value in re.findall(r"^(clipserve_[^ ]+) ([0-9.e+-]+)$", text, re.M)
-    }
-
-
 async def send(session: aiohttp.ClientSession, url: str, p: Payload, scheduled: float) -> Answer:
     sent = time.perf_counter()
     retry_after = None
@@ -101,8 +102,9 @@ async def send(session: aiohttp.ClientSession, url: str, p: Payload, scheduled: 
     return Answer(scheduled, sent, time.perf_counter(), status, retry_after)
 
 
-async def open_loop(url: str, p: Payload, rate: float, duration_s: float,
-                    client_timeout_s: float, seed: int) -> tuple[list[Answer], float]:  # fmt: skip
+async def open_loop(
+    url: str, p: Payload, rate: float, duration_s: float, client_timeout_s: float, seed: int
+) -> tuple[list[Answer], float]:
     """Poisson arrivals at `rate` requests/s for duration_s; every answer awaited."""
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=client_timeout_s)
@@ -126,12 +128,7 @@ def executor_capacity(per_item_ms: float, batch: int, repeat: int = 3) -> float:
     spec = PreprocessSpec((224, 224), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
     fake = FakeExecutor(spec, 32, per_item_ms=per_item_ms)
     images = np.random.default_rng(0).integers(0, 256, (batch, 224, 224, 3), np.uint8)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fake.run(images)
-        times.append(time.perf_counter() - t0)
-    return batch / float(np.median(times))
+    return batch / float(np.median(timed(lambda: fake.run(images), repeat)))
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -151,19 +148,13 @@ def measure(
 ) -> dict[str, Any]:
     rate = level * capacity / p.images
     before = scrape(url)
-    answers, start = asyncio.run(
-        open_loop(url, p, rate, duration_s, timeout_s + 10, seed)
-    )  # fmt: skip
+    answers, start = asyncio.run(open_loop(url, p, rate, duration_s, timeout_s + 10, seed))
     time.sleep(0.5)  # let the last answers be counted
     after = scrape(url)
 
-    def delta(name: str) -> float:
-        """The change of a metric, summed over its labels."""
-
-        def total(m: dict[str, float]) -> float:
-            return sum(v for k, v in m.items() if k == name or k.startswith(name + "{"))
-
-        return total(after) - total(before)
+    def delta(name: str, **labels: str) -> float:
+        """The change of a metric, summed over its label sets (those with `labels`)."""
+        return total(after, name, **labels) - total(before, name, **labels)
 
     # The server's deadline runs from when the request reaches it: a 200 counts if it came
     # within the timeout of being sent. Latencies below are from the scheduled start, which
@@ -208,7 +199,7 @@ def measure(
         "images_computed": int(computed),
         "images_answered_200": answered,
         "computed_over_answered": round(computed / answered, 3) if answered else None,
-        "expired_in_queue": int(delta('clipserve_expired_items_total{kind="image"}')),
+        "expired_in_queue": int(delta("clipserve_expired_items_total", kind="image")),
         "device_busy_fraction": round(
             delta("clipserve_batch_duration_seconds_sum") / (time.perf_counter() - start),
             3,
@@ -223,6 +214,14 @@ def measure(
             delta("clipserve_batch_size_sum") / max(delta("clipserve_batch_size_count"), 1), 2
         ),
     }
+
+
+def server_flags(args: argparse.Namespace, model: Path, timeout_s: float) -> list[str]:
+    flags = ["--backend", "fake", "--pretrained", "none", "--model", str(model)]
+    flags += ["--backend-option", f"per_item_ms={args.per_item_ms}"]
+    flags += ["--max-batch-size", str(args.max_batch_size)]
+    flags += ["--max-queue-size", str(args.max_queue_size)]
+    return [*flags, "--request-timeout-s", str(timeout_s)]
 
 
 def main() -> None:
@@ -245,23 +244,17 @@ def main() -> None:
         args.levels, args.timeouts, args.duration, args.skip = "2,8", "2", 6.0, 2.0
     nominal = 1000 / args.per_item_ms
     all_payloads = payloads()
-    rows = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         # The fake executor ignores the weights; the server needs the preprocessing and the
         # text tower it builds for every model.
         model = tiny_model(Path(tmp))
         for timeout_s in (float(t) for t in args.timeouts.split(",")):
-            flags = [
-                "--backend", "fake", "--pretrained", "none", "--model", str(model),
-                "--backend-option", f"per_item_ms={args.per_item_ms}",
-                "--max-batch-size", str(args.max_batch_size),
-                "--max-queue-size", str(args.max_queue_size),
-                "--request-timeout-s", str(timeout_s),
-            ]  # fmt: skip
+            flags = server_flags(args, model, timeout_s)
             with clipserve_server(flags, startup_s=120, cwd=args.server_tree) as url:
                 # two seconds at half capacity: the batcher measures its batch costs
-                asyncio.run(open_loop(url, all_payloads["jpeg"], nominal / 2, 2.0,
-                                      timeout_s + 10, seed=0))  # fmt: skip
+                jpegs, client_timeout_s = all_payloads["jpeg"], timeout_s + 10
+                asyncio.run(open_loop(url, jpegs, nominal / 2, 2.0, client_timeout_s, seed=0))
                 for name in args.protocols.split(","):
                     for level in (float(x) for x in args.levels.split(",")):
                         capacity = executor_capacity(args.per_item_ms, args.max_batch_size)
@@ -277,10 +270,7 @@ def main() -> None:
                             seed=len(rows),
                         )
                         rows.append(row)
-                        print(json.dumps({k: row[k] for k in (
-                            "protocol", "request_timeout_s", "overload", "goodput_over_capacity",
-                            "hung", "latency_503_ms", "computed_over_answered", "statuses")}),
-                            flush=True)  # fmt: skip
+                        print(json.dumps({k: row[k] for k in PROGRESS}), flush=True)
     result = {
         "benchmark": "goodput under overload",
         "date": utc_now(),

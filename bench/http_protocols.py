@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from uvicorn.server import ServerState
 
-from bench.common import add_model_flags, machine, model_flags, utc_now
+from bench.common import add_model_flags, machine, model_flags, rotated, spread, utc_now
 from clipserve.config import load_config
 from clipserve.http.app import create_app
 from clipserve.http.server import build_uvicorn_config
@@ -63,8 +62,9 @@ async def trivial(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b'{"status":"ok"}'})
 
 
-async def cpu_us_per_request(variant: str, app: Any, app_state: dict[str, Any], http: Any,
-                             n: int) -> float:  # fmt: skip
+async def cpu_us_per_request(
+    variant: str, app: Any, app_state: dict[str, Any], http: Any, n: int
+) -> float:
     overrides = {} if variant == "guarded" else {"http": variant}
     config = build_uvicorn_config(app, http, **overrides)
     config.load()
@@ -84,11 +84,6 @@ async def cpu_us_per_request(variant: str, app: Any, app_state: dict[str, Any], 
     return elapsed / n * 1e6
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
-            "max": round(max(values), 2)}  # fmt: skip
-
-
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     config = load_config({**model_flags(args), "backend": "fake", "log_level": "warning"}, {})
     app = create_app(config)
@@ -96,18 +91,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     async with app.router.lifespan_context(app) as app_state:
         apps = {"trivial": (trivial, {}), "clipserve": (app, dict(app_state or {}))}
         for r in range(args.rounds):
-            order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
             for name, (asgi, state) in apps.items():
-                for variant in order:
+                for variant in rotated(VARIANTS, r):
                     us = await cpu_us_per_request(variant, asgi, state, config.http, args.requests)
                     results.setdefault(name, {}).setdefault(variant, []).append(us)
     report: dict[str, Any] = {}
     for name, by_variant in results.items():
         base = by_variant["httptools"]
         report[name] = {
-            "cpu_us_per_request": {v: summary(us) for v, us in by_variant.items()},
+            "cpu_us_per_request": {v: spread(us, 2) for v, us in by_variant.items()},
             "paired_difference_us_vs_httptools": {
-                v: summary([a - b for a, b in zip(us, base, strict=True)])
+                v: spread([a - b for a, b in zip(us, base, strict=True)], 2)
                 for v, us in by_variant.items()
                 if v != "httptools"
             },

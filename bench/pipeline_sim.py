@@ -25,16 +25,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, utc_now
+from bench.common import machine, spread, utc_now
 from clipserve.loadgen.images import load_images
 from clipserve.loadgen.loadgen import LoadSpec
 from clipserve.loadgen.payloads import ModelInput, build_requests
-from clipserve.loadgen.procs import free_port, stop, tiny_model
+from clipserve.loadgen.procs import free_port, stop, tiny_model, wait_ready
 from clipserve.loadgen.runner import run_point
 
 
@@ -53,35 +52,25 @@ def serve_main(argv: list[str]) -> int:
 
 def start_server(flags: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "bench.pipeline_sim", "--serve", *flags,
-           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    cmd = [sys.executable, "-m", "bench.pipeline_sim", "--serve", *flags]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.2)
-    stop(proc)
-    raise RuntimeError("server not ready")
+    try:
+        wait_ready(proc, url, 120, "server")
+    except RuntimeError:
+        stop(proc)
+        raise
+    return proc, url
 
 
 def server_flags(model: Path, args: argparse.Namespace, depth: int) -> list[str]:
-    return [
-        "--model", str(model), "--pretrained", "none", "--backend", "fake", "--gpus", "0",
-        "--backend-option", f"latency_ms={args.latency_ms}",
-        "--backend-option", "stream=1",
-        "--backend-option", "compute=0",
-        "--max-batch-size", str(args.batch),
-        "--max-queue-size", str(args.batch * 16),
-        "--max-items-per-request", str(args.images_per_request),
-        "--pipeline-depth", str(depth),
-    ]  # fmt: skip
+    flags = ["--model", str(model), "--pretrained", "none", "--backend", "fake", "--gpus", "0"]
+    for option in (f"latency_ms={args.latency_ms}", "stream=1", "compute=0"):
+        flags += ["--backend-option", option]
+    flags += ["--max-batch-size", str(args.batch), "--max-queue-size", str(args.batch * 16)]
+    flags += ["--max-items-per-request", str(args.images_per_request)]
+    return [*flags, "--pipeline-depth", str(depth)]
 
 
 def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -90,9 +79,12 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     model = ModelInput.from_info(info)
     sources = load_images(None, (256, 256), 8)
     requests = build_requests(
-        "msgpack-tensor", sources, model, images_per_request=args.images_per_request,
+        "msgpack-tensor",
+        sources,
+        model,
+        images_per_request=args.images_per_request,
         accept="application/msgpack",
-    )  # fmt: skip
+    )
     spec = LoadSpec(concurrency=args.concurrency, duration_s=args.seconds, warmup_s=2.0)
     point = run_point(url, requests, spec)
     server = point.server or {}
@@ -104,14 +96,6 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
         "latency_ms": {k: point.latency_ms.get(k) for k in ("p50", "p99")},
         "server": server,
         "warnings": point.warnings,
-    }
-
-
-def summary(rates: list[float]) -> dict[str, float]:
-    return {
-        "median": round(statistics.median(rates), 1),
-        "min": round(min(rates), 1),
-        "max": round(max(rates), 1),
     }
 
 
@@ -141,13 +125,16 @@ def main() -> None:
                 finally:
                     stop(proc)
                 runs[depth].append(result)
-                print(f"round {r + 1} depth {depth}: {result['images_per_s']:.1f} img/s "
-                      f"({result['images_per_s'] / ceiling:.3f} of B/L)", flush=True)  # fmt: skip
+                rate = result["images_per_s"]
+                print(
+                    f"round {r + 1} depth {depth}: {rate:.1f} img/s ({rate / ceiling:.3f} of B/L)",
+                    flush=True,
+                )
     per_depth = {}
     for depth, results in runs.items():
         rates = [x["images_per_s"] for x in results]
         per_depth[str(depth)] = {
-            "images_per_s": summary(rates),
+            "images_per_s": spread(rates, 1),
             "of_ceiling": round(statistics.median(rates) / ceiling, 3),
             "runs": results,
         }

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import machine, utc_now
-from clipserve.inference.preprocess import ImageDecoder, PreprocessSpec
+from bench.common import CLIP_SPEC, machine, utc_now
+from clipserve.inference.preprocess import ImageDecoder
 from clipserve.loadgen.images import SourceImage, synthetic_image
 from clipserve.loadgen.loadgen import LoadSpec
 from clipserve.loadgen.payloads import ModelInput, Request, build_requests
@@ -29,18 +29,25 @@ from clipserve.loadgen.runner import run_point
 from clipserve.protocol.requests import parse_body
 from clipserve.protocol.responses import encode_embeddings
 
-SPEC = PreprocessSpec((224, 224), (0.48145466, 0.4578275, 0.40821073),
-                      (0.26862954, 0.26130258, 0.27577711))  # fmt: skip
 N = 8  # images per request for the list formats
+# The formats served with the real model.
+WITH_MODEL = ("jpeg (1 per request)", "msgpack jpeg list", "raw uint8 tensor", "raw float32 tensor")
+RESPONSE_FORMATS = [
+    ("application/json", "float32"),
+    ("application/msgpack", "float32"),
+    ("application/octet-stream", "float32"),
+    ("application/octet-stream", "float16"),
+]
 
 
 def formats(images: list[SourceImage]) -> dict[str, Request]:
     """The request formats compared, from clipserve.loadgen's payload kinds."""
-    model = ModelInput(SPEC)
+    model = ModelInput(CLIP_SPEC)
 
     def one(kind: str, n: int = N, dtype: str = "uint8") -> Request:
-        return build_requests(kind, images, model, images_per_request=n, variants=1,
-                              tensor_dtype=dtype)[0]  # fmt: skip
+        return build_requests(
+            kind, images, model, images_per_request=n, variants=1, tensor_dtype=dtype
+        )[0]
 
     return {
         "jpeg (1 per request)": one("jpeg", 1),
@@ -68,9 +75,9 @@ def cpu_per_image(req: Request, decoder: ImageDecoder, repeat: int) -> dict[str,
                 decoder(data)
         t1 = time.thread_time()
         n = len(payload)
+        meta = {"model": "m"}
         for media in ("application/json",):
-            encode_embeddings(embeddings[:n], single=payload.single, meta={"model": "m"},
-                              media=media)  # fmt: skip
+            encode_embeddings(embeddings[:n], single=payload.single, meta=meta, media=media)
         return t1 - t0, time.thread_time() - t1, n
 
     once()
@@ -89,18 +96,17 @@ def cpu_per_image(req: Request, decoder: ImageDecoder, repeat: int) -> dict[str,
 def response_sizes() -> dict[str, int]:
     e = np.random.default_rng(0).standard_normal((1, 512)).astype(np.float32)
     e /= np.linalg.norm(e)
+    meta = {"model": "ViT-B-32/x", "normalized": True}
     out = {}
-    for media, dtype in [("application/json", "float32"), ("application/msgpack", "float32"),
-                         ("application/octet-stream", "float32"),
-                         ("application/octet-stream", "float16")]:  # fmt: skip
-        body, _ = encode_embeddings(e, single=False, meta={"model": "ViT-B-32/x",
-                                    "normalized": True}, media=media, dtype=dtype)  # fmt: skip
+    for media, dtype in RESPONSE_FORMATS:
+        body, _ = encode_embeddings(e, single=False, meta=meta, media=media, dtype=dtype)
         out[f"{media} {dtype}"] = len(body)
     return out
 
 
-def served(server_args: list[str], reqs: dict[str, Request], in_flight: int,
-           duration: float) -> list[dict[str, Any]]:  # fmt: skip
+def served(
+    server_args: list[str], reqs: dict[str, Request], in_flight: int, duration: float
+) -> list[dict[str, Any]]:
     """Each format with `in_flight` images outstanding: in_flight / images-per-request clients."""
     rows = []
     with clipserve_server(server_args) as url:
@@ -125,22 +131,21 @@ def main() -> None:
     parser.add_argument("--skip-model", action="store_true", help="only the fake backend")
     parser.add_argument("--out", type=Path, default=Path("bench/results/protocols.json"))
     args = parser.parse_args()
-    decoder = ImageDecoder(SPEC, 40_000_000)
+    decoder = ImageDecoder(CLIP_SPEC, 40_000_000)
     reqs = formats([SourceImage(synthetic_image(640, 480, seed=i)) for i in range(N)])
     print("in-process, per image:", flush=True)
     in_process = {}
     for name, req in reqs.items():
         in_process[name] = cpu_per_image(req, decoder, args.repeat)
         print(f"  {name:<24} {in_process[name]}", flush=True)
-    common = ["--model", "ViT-B-32", "--pretrained", "none", "--gpus", "cpu",
-              "--max-batch-size", "32", "--max-queue-size", "256"]  # fmt: skip
+    common = ["--model", "ViT-B-32", "--pretrained", "none", "--gpus", "cpu"]
+    common += ["--max-batch-size", "32", "--max-queue-size", "256"]
     print(f"served, fake backend (no model), {args.in_flight} images in flight:", flush=True)
     fake = served([*common, "--backend", "fake"], reqs, args.in_flight, args.duration)
     model: list[dict[str, Any]] = []
     if not args.skip_model:
         print("served, ViT-B-32 torch fp32 on CPU, 32 images in flight:", flush=True)
-        chosen = {k: reqs[k] for k in ("jpeg (1 per request)", "msgpack jpeg list",
-                                       "raw uint8 tensor", "raw float32 tensor")}  # fmt: skip
+        chosen = {k: reqs[k] for k in WITH_MODEL}
         model = served([*common, "--backend", "torch"], chosen, 32, args.duration * 2)
     doc = {
         "benchmark": "protocols",

@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import add_model_flags, describe_model, machine, model_flags, utc_now
+from bench.common import add_model_flags, describe_model, machine, model_flags, timed, utc_now
 from clipserve.config import load_config
 from clipserve.inference.runtime import build_runtime
 from clipserve.loadgen.images import jpeg
@@ -27,15 +26,6 @@ from clipserve.loadgen.loadgen import LoadSpec
 from clipserve.loadgen.payloads import Request
 from clipserve.loadgen.procs import clipserve_server
 from clipserve.loadgen.runner import run_point
-
-
-def timed(fn: object, repeat: int) -> list[float]:
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()  # type: ignore[operator]
-        samples.append(time.perf_counter() - t0)
-    return samples
 
 
 class Offline:
@@ -68,6 +58,17 @@ class Offline:
     def executor(self) -> str:
         info = self.runtime.executors[0].info
         return f"{info.backend}/{info.precision}/{info.device}"
+
+
+# What each served point prints as it ends.
+PROGRESS = (
+    "concurrency",
+    "images_per_s",
+    "latency_ms",
+    "mean_batch_size",
+    "served_over_offline_model_only",
+    "p50_over_offline_batch1",
+)
 
 
 def jpeg_request(data: bytes) -> Request:
@@ -118,9 +119,7 @@ def main() -> None:
                         result.latency_ms["p50"] / off["decode_and_model_batch1_ms"], 3
                     )
                     served.append(row)
-                    print({k: row[k] for k in ("concurrency", "images_per_s", "latency_ms",
-                           "mean_batch_size", "served_over_offline_model_only",
-                           "p50_over_offline_batch1")}, flush=True)  # fmt: skip
+                    print({k: row[k] for k in PROGRESS}, flush=True)
                 rounds.append({"offline": off, "served": served})
     finally:
         offline.runtime.close()
@@ -131,10 +130,11 @@ def main() -> None:
         summary[f"c{c}"] = {
             key: statistics.median(float(r[key]) for r in rows)
             for key in ("images_per_s", "served_over_offline_model_only", "p50_over_offline_batch1")
-        } | {"p50_ms": statistics.median(r["latency_ms"]["p50"] for r in rows),
-             "p99_ms": statistics.median(r["latency_ms"]["p99"] for r in rows),
-             "mean_batch_size": statistics.median(r["mean_batch_size"] or 0
-                                                  for r in rows)}  # fmt: skip
+        } | {
+            "p50_ms": statistics.median(r["latency_ms"]["p50"] for r in rows),
+            "p99_ms": statistics.median(r["latency_ms"]["p99"] for r in rows),
+            "mean_batch_size": statistics.median(r["mean_batch_size"] or 0 for r in rows),
+        }
     print(json.dumps(summary, indent=2))
     result_doc = {
         "benchmark": "served_vs_offline",

@@ -38,8 +38,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         shown = "none" if option.default is None else option.default
         helptext = f"{option.help} [env {option.env}; default {shown or '-'}]"
         if option.type is bool:
-            parser.add_argument(option.flag, dest=option.name, default=None,
-                                action="store_const", const="true", help=helptext)  # fmt: skip
+            parser.add_argument(
+                option.flag,
+                dest=option.name,
+                default=None,
+                action="store_const",
+                const="true",
+                help=helptext,
+            )
             continue
         parser.add_argument(
             option.flag,

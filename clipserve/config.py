@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from clipserve.backends.device import is_cuda
 from clipserve.errors import ConfigError
 
 ENV_PREFIX = "CLIPSERVE_"
@@ -156,8 +157,8 @@ SECTIONS: dict[str, type[Any]] = {
 class Option:
     section: str
     name: str
-    type: Any
-    default: Any
+    type: object  # the field's annotation: int, float, bool, str, str | None or tuple[str, ...]
+    default: object
     help: str
     choices: tuple[str, ...] | None
 
@@ -179,7 +180,7 @@ def iter_options() -> Iterator[Option]:
             )
 
 
-def _coerce(option: Option, raw: str | list[str]) -> Any:
+def _coerce(option: Option, raw: str | list[str]) -> object:
     kind = option.type
     if kind == tuple[str, ...]:
         items = raw if isinstance(raw, list) else [s for s in raw.split(",") if s.strip()]
@@ -200,14 +201,16 @@ def _coerce(option: Option, raw: str | list[str]) -> Any:
         if kind is float:
             return float(raw)
     except ValueError:
+        expected = "int" if kind is int else "float"
         raise ConfigError(
-            f"{option.flag} (or {option.env}): expected {kind.__name__}, got {raw!r}"
+            f"{option.flag} (or {option.env}): expected {expected}, got {raw!r}"
         ) from None
     return raw
 
 
 def load_config(
-    flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    flags: Mapping[str, str | list[str] | None] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> ServerConfig:
     """Build the config: a flag given wins over `CLIPSERVE_*`, which wins over the default.
 
@@ -216,7 +219,7 @@ def load_config(
     """
     flags = flags or {}
     environ = os.environ if environ is None else environ
-    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    sections: dict[str, dict[str, object]] = {name: {} for name in SECTIONS}
     for option in iter_options():
         raw = flags.get(option.name)
         if raw is None:
@@ -244,7 +247,7 @@ def resolve_device_defaults(config: ServerConfig, devices: Sequence[str]) -> Ser
     unchanged), and on the CPU and simulated devices the static defaults stay.
     """
     b = config.batching
-    if not config.defaulted or not any(d.startswith("cuda") for d in devices):
+    if not config.defaulted or not any(is_cuda(d) for d in devices):
         return config
     batch = b.max_batch_size
     if "max_batch_size" in config.defaulted:

@@ -8,16 +8,21 @@ under PROMETHEUS_MULTIPROC_DIR (the client library's multiprocess mode) and any 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+if TYPE_CHECKING:  # clipserve.batching imports this module
+    from clipserve.batching.tower import TowerKind
+
 STAGES = ("receive", "decode", "queue", "compute", "encode")
-_LATENCY_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-)  # fmt: skip
+# Seconds, from half a millisecond to the default request timeout; exact decimals (ms / 1000),
+# so the `le` labels read as written.
+_LATENCY_MS = (0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000)
+_LATENCY_BUCKETS = tuple(ms / 1000 for ms in _LATENCY_MS)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -65,6 +70,16 @@ class _ScrapeTimeGauges(Collector):
         yield alive
 
 
+def _latency(
+    name: str, documentation: str, labels: Sequence[str], registry: CollectorRegistry
+) -> Histogram:
+    return Histogram(name, documentation, labels, buckets=_LATENCY_BUCKETS, registry=registry)
+
+
+def _sizes(name: str, documentation: str, registry: CollectorRegistry) -> Histogram:
+    return Histogram(name, documentation, buckets=_BATCH_BUCKETS, registry=registry)
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -74,42 +89,43 @@ class Metrics:
         self.requests = Counter(
             "clipserve_requests", "HTTP requests", ["route", "status"], registry=r
         )
-        self.request_duration = Histogram(
-            "clipserve_request_duration_seconds", "Whole request time", ["route"],
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.stage_duration = Histogram(
-            "clipserve_stage_duration_seconds", "Time per request stage", ["stage", "protocol"],
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.batch_size = Histogram(
-            "clipserve_batch_size", "Images per forward pass", buckets=_BATCH_BUCKETS, registry=r
+        self.request_duration = _latency(
+            "clipserve_request_duration_seconds", "Whole request time", ["route"], r
         )
-        self.batch_duration = Histogram(
-            "clipserve_batch_duration_seconds", "Forward pass time per batch", ["device"],
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.text_batch_size = Histogram(
-            "clipserve_text_batch_size", "Texts per text-tower forward pass",
-            buckets=_BATCH_BUCKETS, registry=r,
-        )  # fmt: skip
+        self.stage_duration = _latency(
+            "clipserve_stage_duration_seconds", "Time per request stage", ["stage", "protocol"], r
+        )
+        self.batch_size = _sizes("clipserve_batch_size", "Images per forward pass", r)
+        self.batch_duration = _latency(
+            "clipserve_batch_duration_seconds", "Forward pass time per batch", ["device"], r
+        )
+        self.text_batch_size = _sizes(
+            "clipserve_text_batch_size", "Texts per text-tower forward pass", r
+        )
         self.items = Counter("clipserve_items", "Images embedded", registry=r)
         self.text_items = Counter("clipserve_text_items", "Texts embedded", registry=r)
         self.device_busy = Counter(
-            "clipserve_device_busy_seconds", "Device time spent on image batches (overlapping "
-            "batches counted once); its rate is the busy fraction", ["device"], registry=r,
-        )  # fmt: skip
+            "clipserve_device_busy_seconds",
+            "Device time spent on image batches (overlapping batches counted once); "
+            "its rate is the busy fraction",
+            ["device"],
+            registry=r,
+        )
         self.batch_failures = Counter(
             "clipserve_batch_failures", "Batches failed by the executor", ["device"], registry=r
         )
         self.batch_retries = Counter(
-            "clipserve_batch_retries", "Sub-batches run again after a batch failed (bisection)",
-            ["device"], registry=r,
-        )  # fmt: skip
+            "clipserve_batch_retries",
+            "Sub-batches run again after a batch failed (bisection)",
+            ["device"],
+            registry=r,
+        )
         self.expired_items = Counter(
-            "clipserve_expired_items", "Queued items dropped unstarted: their deadline came first",
-            ["kind"], registry=r,
-        )  # fmt: skip
+            "clipserve_expired_items",
+            "Queued items dropped unstarted: their deadline came first",
+            ["kind"],
+            registry=r,
+        )
         self.request_bytes = Counter(
             "clipserve_request_bytes", "Request body bytes", ["protocol"], registry=r
         )
@@ -117,7 +133,9 @@ class Metrics:
             "clipserve_response_bytes", "Response body bytes", ["protocol"], registry=r
         )
 
-    def observe_batch(self, device: str, size: int, seconds: float, kind: str = "image") -> None:
+    def observe_batch(
+        self, device: str, size: int, seconds: float, kind: TowerKind = "image"
+    ) -> None:
         self.count_items(size, kind)
         if kind == "text":
             self.text_batch_size.observe(size)
@@ -125,7 +143,7 @@ class Metrics:
         self.batch_size.observe(size)
         self.batch_duration.labels(device).observe(seconds)
 
-    def count_items(self, n: int, kind: str = "image") -> None:
+    def count_items(self, n: int, kind: TowerKind = "image") -> None:
         """Items computed by a batch that is not observed whole (part of it failed)."""
         (self.text_items if kind == "text" else self.items).inc(n)
 

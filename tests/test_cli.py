@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,17 +14,7 @@ import pytest
 from clipserve.cli import build_parser
 from clipserve.config import ServerConfig, iter_options, load_config
 from clipserve.errors import ConfigError
-from tests.conftest import cli_server, png_bytes, random_pixels, write_checkpoint
-
-
-def run_cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "clipserve", *args],
-        capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
-    )  # fmt: skip
+from tests.helpers import PNG, cli_server, png_bytes, random_pixels, run_clipserve, write_checkpoint
 
 
 def test_flag_beats_env_beats_default() -> None:
@@ -95,7 +83,7 @@ def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
 
 def test_missing_checkpoint_fails_with_one_line(tiny_config: Path, tmp_path: Path) -> None:
     line = one_line_error(
-        run_cli("--model", str(tiny_config), "--checkpoint", str(tmp_path / "nope.pt"))
+        run_clipserve("--model", str(tiny_config), "--checkpoint", str(tmp_path / "nope.pt"))
     )
     assert "--checkpoint" in line and "does not exist" in line
 
@@ -108,12 +96,12 @@ def test_checkpoint_of_another_architecture_fails_with_one_line(
         tiny_config.read_text().replace('"width": 64, "head_width"', '"width": 96, "head_width"')
     )
     ckpt = write_checkpoint(other, tmp_path / "wider.safetensors", seed=0)
-    line = one_line_error(run_cli("--model", str(tiny_config), "--checkpoint", str(ckpt)))
+    line = one_line_error(run_clipserve("--model", str(tiny_config), "--checkpoint", str(ckpt)))
     assert "does not fit --model" in line
 
 
 def test_unfetchable_pretrained_weights_fail_with_one_line(tiny_config: Path) -> None:
-    line = one_line_error(run_cli("--model", "ViT-B-32", "--pretrained", "laion2b_s34b_b79k"))
+    line = one_line_error(run_clipserve("--model", "ViT-B-32", "--pretrained", "laion2b_s34b_b79k"))
     assert "--checkpoint" in line and "--pretrained none" in line
 
 
@@ -133,23 +121,38 @@ def test_bad_startup_arguments_fail_with_one_line(
     base = ["--model", str(tiny_config), "--checkpoint", str(tiny_checkpoint)]
     if args[0] == "--model":
         base = []
-    assert named in one_line_error(run_cli(*base, *args))
+    assert named in one_line_error(run_clipserve(*base, *args))
 
 
 def test_sigterm_drains_in_flight_requests(
     tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
-    args = ["--model", str(tiny_config), "--checkpoint", str(tiny_checkpoint), "--backend",
-            "fake", "--backend-option", "latency_ms=400", "--max-batch-size", "2",
-            "--drain-timeout-s", "10"]  # fmt: skip
+    args = [
+        "--model",
+        str(tiny_config),
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--backend",
+        "fake",
+        "--backend-option",
+        "latency_ms=400",
+        "--max-batch-size",
+        "2",
+        "--drain-timeout-s",
+        "10",
+    ]
     with cli_server(args, tmp_path / "server.log") as (proc, url):
 
         async def load() -> list[int]:
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 body = png_bytes(random_pixels(1))
-                tasks = [asyncio.create_task(client.post("/embed", content=body,
-                         headers={"Content-Type": "image/png"})) for _ in range(4)]  # fmt: skip
-                await asyncio.sleep(0.2)  # all four are in flight
+                tasks = [
+                    asyncio.create_task(client.post("/embed", content=body, headers=PNG))
+                    for _ in range(4)
+                ]
+                # A sleep: the server is another process and shows no count of requests in
+                # flight to wait on; 0.2 s (half a batch) lets all four arrive before SIGTERM.
+                await asyncio.sleep(0.2)
                 t0 = time.monotonic()
                 proc.send_signal(signal.SIGTERM)
                 codes = [(await t).status_code for t in tasks]

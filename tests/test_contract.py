@@ -8,17 +8,13 @@ import json
 import signal
 import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import RunningServer, cli_server, png_bytes, random_pixels
-
-Serve = Callable[..., RunningServer]
-PNG = {"Content-Type": "image/png"}
+from tests.helpers import PNG, Serve, cli_server, png_bytes, random_pixels, until, until_checked
 
 
 def error_of(r: httpx.Response) -> dict[str, str]:
@@ -63,14 +59,16 @@ def test_every_response_carries_server_timing_with_a_total(
 
 
 def test_timeout_shows_the_queue_wait_in_server_timing(serve: Serve) -> None:
-    server = serve(backend="fake", backend_option=["latency_ms=600"], max_batch_size=1,
-                   request_timeout_s=0.3)  # fmt: skip
+    server = serve(
+        backend="fake", backend_option=["latency_ms=600"], max_batch_size=1, request_timeout_s=0.3
+    )
 
     async def two() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
             body = png_bytes(random_pixels(1))
-            return await asyncio.gather(*(client.post("/embed", content=body, headers=PNG)
-                                          for _ in range(2)))  # fmt: skip
+            return await asyncio.gather(
+                *(client.post("/embed", content=body, headers=PNG) for _ in range(2))
+            )
 
     late = [r for r in asyncio.run(two()) if r.status_code == 504]
     assert late, "one request should wait behind the other past its deadline"
@@ -81,7 +79,7 @@ def test_timeout_shows_the_queue_wait_in_server_timing(serve: Serve) -> None:
 @pytest.mark.parametrize("raw", [b"caf\xe9", b"a b", b"x" * 129, b"tab\tinside"])
 def test_request_id_must_be_visible_ascii(serve: Serve, raw: bytes) -> None:
     server = serve(backend="fake")
-    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as sock:
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Request-Id: " + raw + b"\r\n\r\n")
         sock.settimeout(5)
         head, _, body = sock.recv(65536).partition(b"\r\n\r\n")
@@ -103,32 +101,37 @@ def test_request_timeout_header_shortens_the_deadline(serve: Serve) -> None:
     server = serve(backend="fake", backend_option=["latency_ms=500"])
     body = png_bytes(random_pixels(2))
     t0 = time.monotonic()
-    r = httpx.post(server.url + "/embed", content=body,
-                   headers={**PNG, "X-Request-Timeout-Ms": "150"})  # fmt: skip
+    r = httpx.post(
+        server.url + "/embed", content=body, headers={**PNG, "X-Request-Timeout-Ms": "150"}
+    )
     assert r.status_code == 504 and time.monotonic() - t0 < 0.45
     assert "X-Request-Timeout-Ms" in error_of(r)["message"]
     # Capped by the server's own timeout; garbage is refused.
-    r = httpx.post(server.url + "/embed", content=body,
-                   headers={**PNG, "X-Request-Timeout-Ms": "1e9"})  # fmt: skip
+    r = httpx.post(
+        server.url + "/embed", content=body, headers={**PNG, "X-Request-Timeout-Ms": "1e9"}
+    )
     assert r.status_code == 200
     for bad in ("soon", "-5", "0", "nan", "inf"):
-        r = httpx.post(server.url + "/embed", content=body,
-                       headers={**PNG, "X-Request-Timeout-Ms": bad})  # fmt: skip
+        r = httpx.post(
+            server.url + "/embed", content=body, headers={**PNG, "X-Request-Timeout-Ms": bad}
+        )
         assert r.status_code == 400 and error_of(r)["code"] == "invalid_header", bad
 
 
 def test_bodies_in_flight_are_bounded(serve: Serve) -> None:
     """Bytes held by incomplete bodies count against one budget: past it, 503 at once."""
     server = serve(backend="fake", max_body_bytes=1 << 20, max_body_bytes_in_flight=3 << 20)
-    port = int(server.url.rsplit(":", 1)[1])
+    port = server.port
     budget = server.state.body_budget
     held = []
     sent = (1 << 20) - 1000
     try:
         for _ in range(3):  # 3 bodies of 1 MiB, all but their last 1000 bytes sent
             s = socket.create_connection(("127.0.0.1", port))
-            s.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
-                      b"Content-Length: 1048576\r\n\r\n" + b"\0" * sent)  # fmt: skip
+            s.sendall(
+                b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                b"Content-Length: 1048576\r\n\r\n" + b"\0" * sent
+            )
             held.append(s)
         until(lambda: budget.used == 3 * sent)
         r = httpx.post(server.url + "/embed", content=png_bytes(random_pixels(3)), headers=PNG)
@@ -137,8 +140,10 @@ def test_bodies_in_flight_are_bounded(serve: Serve) -> None:
         assert int(r.headers["retry-after"]) >= 1
         # Headers alone reserve nothing: a declared body that never comes holds no budget.
         idle = socket.create_connection(("127.0.0.1", port))
-        idle.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
-                     b"Content-Length: 1048576\r\n\r\n")  # fmt: skip
+        idle.sendall(
+            b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+            b"Content-Length: 1048576\r\n\r\n"
+        )
         held.append(idle)
     finally:
         for s in held[:3]:
@@ -149,32 +154,39 @@ def test_bodies_in_flight_are_bounded(serve: Serve) -> None:
     held[3].close()
 
 
-def until(condition: Callable[[], bool], timeout_s: float = 10) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
-
-
 def test_drain_timeout_answers_503_json_with_one_log_line_each(
     tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
-    args = ["--model", str(tiny_config), "--checkpoint", str(tiny_checkpoint), "--backend",
-            "fake", "--backend-option", "latency_ms=3000", "--max-batch-size", "1",
-            "--drain-timeout-s", "1"]  # fmt: skip
+    args = [
+        "--model",
+        str(tiny_config),
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--backend",
+        "fake",
+        "--backend-option",
+        "latency_ms=3000",
+        "--max-batch-size",
+        "1",
+        "--drain-timeout-s",
+        "1",
+    ]
     log_path = tmp_path / "server.log"
     with cli_server(args, log_path) as (proc, url):
 
         async def load() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 body = png_bytes(random_pixels(1))
-                tasks = [asyncio.create_task(client.post("/embed", content=body,
-                         headers=PNG)) for _ in range(3)]  # fmt: skip
-                for _ in range(500):  # one computing, two queued: then stop the server
+                tasks = [
+                    asyncio.create_task(client.post("/embed", content=body, headers=PNG))
+                    for _ in range(3)
+                ]
+
+                async def one_computing_two_queued() -> bool:
                     metrics = (await client.get("/metrics")).text
-                    if "clipserve_queue_depth 2.0" in metrics:
-                        break
-                    await asyncio.sleep(0.02)
+                    return "clipserve_queue_depth 2.0" in metrics
+
+                await until_checked(one_computing_two_queued)  # then stop the server
                 proc.send_signal(signal.SIGTERM)
                 return [await t for t in tasks]
 
@@ -220,7 +232,9 @@ def test_unexpected_errors_answer_opaque_json_500_with_the_usual_headers(
     """Not a domain error (a bug): the outermost layer answers it like every other error."""
     from prometheus_client import CollectorRegistry
 
-    from clipserve.http.app import RequestObserver
+    from clipserve.http.doors import DOORS
+    from clipserve.http.observer import RequestObserver
+    from clipserve.http.status import ErrorPages
     from clipserve.metrics import Metrics
 
     async def broken(scope: Any, receive: Any, send: Any) -> None:
@@ -235,7 +249,8 @@ def test_unexpected_errors_answer_opaque_json_500_with_the_usual_headers(
         sent.append(message)
 
     scope = {"type": "http", "method": "GET", "path": "/x", "headers": [(b"x-request-id", b"r1")]}
-    asyncio.run(RequestObserver(broken, Metrics(CollectorRegistry()))(scope, receive, send))
+    observer = RequestObserver(broken, Metrics(CollectorRegistry()), ErrorPages(DOORS))
+    asyncio.run(observer(scope, receive, send))
     start, body = sent[0], sent[1]
     assert start["status"] == 500
     headers = dict(start["headers"])

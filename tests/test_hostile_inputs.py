@@ -37,7 +37,7 @@ from clipserve.protocol.multipart import parse_files
 from clipserve.protocol.requests import parse_body
 from clipserve.protocol.tensors import parse_shape, parse_tensor
 from clipserve.protocol.text import parse_texts
-from tests.conftest import RunningServer
+from tests.helpers import PNG, Serve, png_chunk, with_orientation
 
 SPEC = PreprocessSpec((224, 224), (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
 SIZE = (224, 224)
@@ -47,12 +47,9 @@ MSGPACK = "application/msgpack"
 # ---- crafted files: kilobytes on the wire ------------------------------------------------------
 
 
-def _chunk(kind: bytes, body: bytes) -> bytes:
-    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-
-def solid_png(width: int, height: int, colour_type: int = 2, bit_depth: int = 8,
-              extra: bytes = b"") -> bytes:  # fmt: skip
+def solid_png(
+    width: int, height: int, colour_type: int = 2, bit_depth: int = 8, extra: bytes = b""
+) -> bytes:
     """A valid all-zero PNG of any size, compressed ~1000:1 (64 x 625,000 RGB is 117 KB)."""
     channels = {0: 1, 2: 3, 4: 2, 6: 4}[colour_type]
     row = b"\x00" * (1 + width * channels * bit_depth // 8)
@@ -60,8 +57,13 @@ def solid_png(width: int, height: int, colour_type: int = 2, bit_depth: int = 8,
     for done in range(0, height, per):
         rows.append(z.compress(row * min(per, height - done)))
     ihdr = struct.pack(">IIBBBBB", width, height, bit_depth, colour_type, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + extra
-            + _chunk(b"IDAT", b"".join(rows) + z.flush()) + _chunk(b"IEND", b""))  # fmt: skip
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + png_chunk(b"IHDR", ihdr)
+        + extra
+        + png_chunk(b"IDAT", b"".join(rows) + z.flush())
+        + png_chunk(b"IEND", b"")
+    )
 
 
 def progressive_jpeg_with_scans(extra_scans: int) -> bytes:
@@ -118,11 +120,16 @@ def test_pointer_per_row_counts_toward_decoded_bytes() -> None:
 
 @pytest.mark.parametrize(
     ("colour_type", "bit_depth", "mode", "pixels_at_16_mib"),
-    [(0, 8, "L", 14_000_000), (0, 16, "I;16", 7_000_000), (2, 8, "RGB", 3_500_000),
-     (6, 8, "RGBA", 1_800_000)],
-)  # fmt: skip
-def test_decoded_bytes_depend_on_the_mode(colour_type: int, bit_depth: int, mode: str,
-                                          pixels_at_16_mib: int) -> None:  # fmt: skip
+    [
+        (0, 8, "L", 14_000_000),
+        (0, 16, "I;16", 7_000_000),
+        (2, 8, "RGB", 3_500_000),
+        (6, 8, "RGBA", 1_800_000),
+    ],
+)
+def test_decoded_bytes_depend_on_the_mode(
+    colour_type: int, bit_depth: int, mode: str, pixels_at_16_mib: int
+) -> None:
     """Under a 16 MiB budget, L fits 14 M pixels, I;16 7 M, RGB 3.5 M and RGBA (premultiplied
     copy for the resize) 1.8 M; twice as many are refused, naming mode and flag."""
     side = int(pixels_at_16_mib**0.5)
@@ -151,10 +158,7 @@ def test_progressive_jpeg_counts_its_coefficients_despite_the_draft() -> None:
 
 
 def test_exif_rotation_copy_counts() -> None:
-    img = Image.new("RGB", (1500, 1000), (5, 5, 5))
-    exif = Image.Exif()
-    exif[0x0112] = 6
-    data = encode(img, "PNG", exif=exif.tobytes())
+    data = with_orientation(Image.new("RGB", (1500, 1000), (5, 5, 5)), 6, "PNG")
     with pytest.raises(ImageTooLarge, match="EXIF-rotated"):
         decode(data, max_bytes=8 << 20)  # 6 MB of pixels fit; their rotated copy does not
     assert decode(data, max_bytes=12 << 20).shape == (224, 224, 3)
@@ -181,7 +185,7 @@ def test_jpeg_segment_flood_is_refused_before_pillow_walks_it() -> None:
 
 @pytest.mark.parametrize("kind", [b"quUx", b"IDAT"])
 def test_png_chunk_flood_is_refused(kind: bytes) -> None:
-    flood = _chunk(kind, b"") * 100_000  # 1.2 MB; 1,000,000 such chunks took Pillow 7-13 s
+    flood = png_chunk(kind, b"") * 100_000  # 1.2 MB; 1,000,000 such chunks took Pillow 7-13 s
     t0 = time.perf_counter()
     with pytest.raises(InvalidImage, match="more than 16384 chunks"):
         decode(solid_png(64, 64, extra=flood))
@@ -191,18 +195,17 @@ def test_png_chunk_flood_is_refused(kind: bytes) -> None:
 def test_ztxt_bomb_is_refused() -> None:
     # Each 1 KB zTXt chunk inflates to Pillow's 1 MiB cap: 64 of them held 66 MB.
     text = zlib.compress(b"a" * (1 << 20), 9)
-    chunks = b"".join(_chunk(b"zTXt", b"k%d\x00\x00" % i + text) for i in range(64))
+    chunks = b"".join(png_chunk(b"zTXt", b"k%d\x00\x00" % i + text) for i in range(64))
     with pytest.raises(InvalidImage, match="text chunks"):
         decode(solid_png(64, 64, extra=chunks))
-    few = b"".join(_chunk(b"zTXt", b"k%d\x00\x00" % i + text) for i in range(2))
+    few = b"".join(png_chunk(b"zTXt", b"k%d\x00\x00" % i + text) for i in range(2))
     assert decode(solid_png(64, 64, extra=few)).shape == (224, 224, 3)
 
 
 def _exif(entries: int, orientation: int = 1) -> bytes:
     """A little-endian EXIF block: Orientation, then `entries` filler SHORT tags."""
     tags = [(0x0112, orientation)] + [(0x1000 + i % 60000, 0) for i in range(entries)]
-    ifd = struct.pack("<H", len(tags)) + b"".join(struct.pack("<HHII", t, 3, 1, v)
-                                                   for t, v in tags)  # fmt: skip
+    ifd = struct.pack("<H", len(tags)) + b"".join(struct.pack("<HHII", t, 3, 1, v) for t, v in tags)
     return b"II*\x00" + struct.pack("<I", 8) + ifd + struct.pack("<I", 0)
 
 
@@ -227,10 +230,14 @@ def test_webp_chunk_flood_is_refused() -> None:
 
 @pytest.mark.parametrize(
     "data",
-    [solid_png(64, 64)[:60], encode(synthetic_image(300, 200), "WEBP")[:200],
-     b"\xff\xd8\xff\xe0\x00", b"\x89PNG\r\n\x1a\n\x00\x00\x00\x0dIHDR"],
+    [
+        solid_png(64, 64)[:60],
+        encode(synthetic_image(300, 200), "WEBP")[:200],
+        b"\xff\xd8\xff\xe0\x00",
+        b"\x89PNG\r\n\x1a\n\x00\x00\x00\x0dIHDR",
+    ],
     ids=["png-cut", "webp-cut", "jpeg-header-cut", "png-ihdr-cut"],
-)  # fmt: skip
+)
 def test_truncated_images_are_invalid_not_errors(data: bytes) -> None:
     with pytest.raises(InvalidImage):
         decode(data)
@@ -240,8 +247,9 @@ def test_animated_images_use_their_first_frame() -> None:
     frames = [Image.new("RGB", (64, 64), (200 * (i == 0), 0, 0)) for i in range(50)]
     for fmt in ("PNG", "WEBP"):
         buf = io.BytesIO()
-        frames[0].save(buf, fmt, save_all=True, append_images=frames[1:], duration=10,
-                       lossless=True)  # fmt: skip
+        frames[0].save(
+            buf, fmt, save_all=True, append_images=frames[1:], duration=10, lossless=True
+        )
         assert decode(buf.getvalue())[0, 0].tolist() == [200, 0, 0], fmt
 
 
@@ -260,8 +268,13 @@ PEAK_SCRIPT = textwrap.dedent("""
 def test_tall_image_peak_memory_is_bounded_by_the_decoded_raster() -> None:
     """64 x 625,000 RGB (40 M pixels, 117 KB): open_clip's full resize took the process from
     2.2 to 4.7 GiB and 12 s here. Resizing only the crop's region holds the 153 MiB raster."""
-    result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], input=solid_png(64, 625_000),
-                            capture_output=True, check=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT],
+        input=solid_png(64, 625_000),
+        capture_output=True,
+        check=True,
+        timeout=120,
+    )
     shape, peak_mib = result.stdout.decode().rsplit(" ", 1)
     assert shape == "(224, 224, 3)"
     assert int(peak_mib) < 400, f"peak grew by {peak_mib} MiB"
@@ -278,11 +291,16 @@ def _i16_png(width: int, height: int) -> bytes:
 @pytest.mark.parametrize("size", [(64, 48), (300, 200), (2000, 2000), (3000, 500)])
 @pytest.mark.parametrize(
     "make",
-    [lambda w, h: _i16_png(w, h), lambda w, h: solid_png(w, h, 2, 16),
-     lambda w, h: solid_png(w, h, 6, 16), lambda w, h: solid_png(w, h, 4, 16),
-     lambda w, h: solid_png(w, h, 0, 8), lambda w, h: solid_png(w, h, 4, 8)],
+    [
+        lambda w, h: _i16_png(w, h),
+        lambda w, h: solid_png(w, h, 2, 16),
+        lambda w, h: solid_png(w, h, 6, 16),
+        lambda w, h: solid_png(w, h, 4, 16),
+        lambda w, h: solid_png(w, h, 0, 8),
+        lambda w, h: solid_png(w, h, 4, 8),
+    ],
     ids=["I;16", "rgb16", "rgba16", "la16", "L", "LA"],
-)  # fmt: skip
+)
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "exact"])
 def test_sixteen_bit_and_grey_pngs_are_accepted_at_every_size(
     make: Callable[[int, int], bytes], size: tuple[int, int], fast: bool
@@ -324,15 +342,23 @@ def _peak_python_bytes(fn: Callable[[], object]) -> int:
 
 @pytest.mark.parametrize(
     ("body", "media"),
-    [(nested_msgpack(2_000_000), MSGPACK),
-     (msgpack_tree(16, 5), MSGPACK),
-     (msgpack.packb({"images": [None] * 2_000_000}), MSGPACK),
-     (b"\xdd\x7f\xff\xff\xff" + b"\xc0" * 100, MSGPACK),  # declares 2^31 - 1 elements
-     (b'{"images": [' + b"[]," * 2_000_000 + b"[]]}", "application/json"),
-     (b'{"images": [' + b"{}," * 2_000_000 + b"{}]}", "application/json")],
-    ids=["msgpack-empty-arrays", "msgpack-tree", "msgpack-nils", "msgpack-declared-length",
-         "json-arrays", "json-objects"],
-)  # fmt: skip
+    [
+        (nested_msgpack(2_000_000), MSGPACK),
+        (msgpack_tree(16, 5), MSGPACK),
+        (msgpack.packb({"images": [None] * 2_000_000}), MSGPACK),
+        (b"\xdd\x7f\xff\xff\xff" + b"\xc0" * 100, MSGPACK),  # declares 2^31 - 1 elements
+        (b'{"images": [' + b"[]," * 2_000_000 + b"[]]}", "application/json"),
+        (b'{"images": [' + b"{}," * 2_000_000 + b"{}]}", "application/json"),
+    ],
+    ids=[
+        "msgpack-empty-arrays",
+        "msgpack-tree",
+        "msgpack-nils",
+        "msgpack-declared-length",
+        "json-arrays",
+        "json-objects",
+    ],
+)
 def test_value_bombs_are_refused_before_they_are_built(body: bytes, media: str) -> None:
     with pytest.raises(TooManyItems, match=r"more than 96 values.*--max-items-per-request"):
         parse_body(media, {}, body, SIZE, 64)
@@ -354,10 +380,13 @@ def test_value_budget_still_admits_full_requests_with_escapes() -> None:
 
 @pytest.mark.parametrize(
     "body",
-    [b'{"texts": [' + b"[]," * 1_000_000 + b"[]]}", b"[" + b" " * 5_000_000 + b"]",
-     b'{"texts": ["' + b"a" * 5_000_000],
+    [
+        b'{"texts": [' + b"[]," * 1_000_000 + b"[]]}",
+        b"[" + b" " * 5_000_000 + b"]",
+        b'{"texts": ["' + b"a" * 5_000_000,
+    ],
     ids=["arrays", "whitespace", "unterminated"],
-)  # fmt: skip
+)
 def test_text_bodies_are_counted_too(body: bytes) -> None:
     t0 = time.perf_counter()
     with pytest.raises((TooManyTexts, InvalidBody)):
@@ -383,8 +412,15 @@ def test_msgpack_depth_and_ext_types_are_invalid_body() -> None:
 
 
 def _part(headers: list[bytes], boundary: bytes = b"b") -> bytes:
-    return (b"--" + boundary + b"\r\n" + b"".join(h + b"\r\n" for h in headers)
-            + b"\r\ndata\r\n--" + boundary + b"--\r\n")  # fmt: skip
+    return (
+        b"--"
+        + boundary
+        + b"\r\n"
+        + b"".join(h + b"\r\n" for h in headers)
+        + b"\r\ndata\r\n--"
+        + boundary
+        + b"--\r\n"
+    )
 
 
 DISPOSITION = b'Content-Disposition: form-data; name="image"; filename="a.png"'
@@ -394,16 +430,19 @@ DISPOSITION = b'Content-Disposition: form-data; name="image"; filename="a.png"'
 def test_long_multipart_boundary_is_invalid_body(length: int) -> None:
     boundary = b"x" * length
     with pytest.raises(InvalidBody, match=f"boundary of {length} characters; RFC 2046"):
-        parse_files(f"multipart/form-data; boundary={boundary.decode()}",
-                    _part([DISPOSITION], boundary), 8)  # fmt: skip
+        parse_files(
+            f"multipart/form-data; boundary={boundary.decode()}", _part([DISPOSITION], boundary), 8
+        )
 
 
 @pytest.mark.parametrize(
     ("headers", "fragment"),
-    [([DISPOSITION] + [b"X-%d: 1" % i for i in range(100)], "header count"),
-     ([DISPOSITION, b"X-Big: " + b"a" * 100_000], "header size")],
+    [
+        ([DISPOSITION] + [b"X-%d: 1" % i for i in range(100)], "header count"),
+        ([DISPOSITION, b"X-Big: " + b"a" * 100_000], "header size"),
+    ],
     ids=["many-headers", "huge-header"],
-)  # fmt: skip
+)
 def test_part_headers_are_bounded(headers: list[bytes], fragment: str) -> None:
     with pytest.raises(InvalidBody, match=fragment):
         parse_files("multipart/form-data; boundary=b", _part(headers), 8)
@@ -417,32 +456,52 @@ def test_content_type_parameters_are_bounded() -> None:
 # ---- over HTTP: the status and error code a client sees ---------------------------------------
 
 
-Serve = Callable[..., RunningServer]
-
-
 def test_hostile_inputs_over_http(serve: Serve) -> None:
     server = serve(max_items_per_request=8, max_batch_size=8)
-    png = {"Content-Type": "image/png"}
     tall = solid_png(1, 39_999_999)
     f32 = np.zeros((1, 3, 224, 224), np.float32)
     f32[0, 0, 0, 0] = 3e38
-    tensor = msgpack.packb({"tensor": {"dtype": "float32", "shape": [1, 3, 224, 224],
-                                       "data": f32.tobytes()}})  # fmt: skip
+    tensor = msgpack.packb(
+        {"tensor": {"dtype": "float32", "shape": [1, 3, 224, 224], "data": f32.tobytes()}}
+    )
     boundary = "z" * 300
     cases = [
-        ("tall", tall, png, 400, "invalid_image", "--max-image-aspect"),
-        ("i16", _i16_png(2000, 2000), png, 200, None, None),
+        ("tall", tall, PNG, 400, "invalid_image", "--max-image-aspect"),
+        ("i16", _i16_png(2000, 2000), PNG, 200, None, None),
         ("float-range", tensor, {"Content-Type": MSGPACK}, 400, "invalid_tensor", "65504"),
-        ("boundary", _part([DISPOSITION], boundary.encode()),
-         {"Content-Type": f"multipart/form-data; boundary={boundary}"}, 400, "invalid_body",
-         "RFC 2046"),
-        ("msgpack-bomb", nested_msgpack(1_000_000), {"Content-Type": MSGPACK}, 413,
-         "too_many_items", "values"),
-        ("json-bomb", b'{"images": [' + b"[]," * 1_000_000 + b"[]]}",
-         {"Content-Type": "application/json"}, 413, "too_many_items", "values"),
-        ("scan-bomb", progressive_jpeg_with_scans(200), {"Content-Type": "image/jpeg"}, 400,
-         "invalid_image", "scans"),
-    ]  # fmt: skip
+        (
+            "boundary",
+            _part([DISPOSITION], boundary.encode()),
+            {"Content-Type": f"multipart/form-data; boundary={boundary}"},
+            400,
+            "invalid_body",
+            "RFC 2046",
+        ),
+        (
+            "msgpack-bomb",
+            nested_msgpack(1_000_000),
+            {"Content-Type": MSGPACK},
+            413,
+            "too_many_items",
+            "values",
+        ),
+        (
+            "json-bomb",
+            b'{"images": [' + b"[]," * 1_000_000 + b"[]]}",
+            {"Content-Type": "application/json"},
+            413,
+            "too_many_items",
+            "values",
+        ),
+        (
+            "scan-bomb",
+            progressive_jpeg_with_scans(200),
+            {"Content-Type": "image/jpeg"},
+            400,
+            "invalid_image",
+            "scans",
+        ),
+    ]
     for name, body, headers, status, code, fragment in cases:
         r = httpx.post(server.url + "/embed", content=body, headers=headers, timeout=60)
         assert r.status_code == status, (name, r.text)
@@ -450,17 +509,20 @@ def test_hostile_inputs_over_http(serve: Serve) -> None:
             error = r.json()["error"]
             assert error["code"] == code and fragment in error["message"], (name, error)
     texts = b'{"texts": [' + b"{}," * 1_000_000 + b"{}]}"
-    r = httpx.post(server.url + "/embed/text", content=texts, timeout=60,
-                   headers={"Content-Type": "application/json"})  # fmt: skip
+    r = httpx.post(
+        server.url + "/embed/text",
+        content=texts,
+        timeout=60,
+        headers={"Content-Type": "application/json"},
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_texts", r.text
 
 
 def test_image_limit_flags_reach_the_decoder(serve: Serve) -> None:
     server = serve(max_image_aspect=2, max_decode_bytes=1 << 20)
-    png = {"Content-Type": "image/png"}
 
     def post(data: bytes) -> httpx.Response:
-        return httpx.post(server.url + "/embed", content=data, headers=png, timeout=60)
+        return httpx.post(server.url + "/embed", content=data, headers=PNG, timeout=60)
 
     assert post(solid_png(224, 224)).status_code == 200  # 0.2 MB decoded
     wide = post(solid_png(300, 100)).json()["error"]

@@ -131,6 +131,14 @@ def check_batch(batch: np.ndarray, spec: PreprocessSpec) -> None:
         raise ValueError(f"batch of shape {batch.shape} does not fit input {expected}")
 
 
+def check_tokens(batch: np.ndarray, context_length: int) -> None:
+    """Reject a text batch that is not int64 token ids (N, context_length): a programming error
+    upstream, as `check_batch` is for images."""
+    if batch.dtype != np.int64 or batch.ndim != 2 or batch.shape[1] != context_length:
+        got = f"{batch.dtype} {batch.shape}"
+        raise ValueError(f"expected int64 tokens (N, {context_length}); got {got}")
+
+
 def normalisation_affine(spec: PreprocessSpec) -> tuple[np.ndarray, np.ndarray]:
     """Scale and bias that map uint8 pixels to normalised floats in one multiply-add."""
     std = np.asarray(spec.std, dtype=np.float64)

@@ -11,24 +11,26 @@ import bisect
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from clipserve.backends.base import ExecutorSpec, check_batch, warmup_sizes
-from clipserve.backends.device import device_context, fatal_device_errors
+from clipserve.backends.device import device_context, fatal_device_errors, is_cuda
 from clipserve.backends.torch_eager import TorchExecutor, default_precision
 from clipserve.errors import StartupError
 
 if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # a graph pool's handle (torch's graphs.py does the same)
+
     from clipserve.inference.model import LoadedModel
 
 log = logging.getLogger(__name__)
 
 
 def unavailable_reason(backend: str, device: str) -> str | None:
-    if device.startswith("cuda") and torch.cuda.is_available():
+    if is_cuda(device) and torch.cuda.is_available():
         return None
     return f"not available on {device}"
 
@@ -63,13 +65,14 @@ class CudaGraphExecutor(TorchExecutor):
         self.buckets = list(buckets)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
-    def _capture(self, n: int, pool: Any) -> None:
+    def _capture(self, n: int, pool: _POOL_HANDLE) -> None:
         h, w = self.spec.size
         static_in = torch.zeros((n, h, w, 3), dtype=torch.uint8, device=self.device)
+        assert self.stream is not None  # CUDA only (see create)
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             for _ in range(2):  # warm up kernels and the allocator outside the capture
                 self.forward(self.normalise(static_in))
-            self.stream.synchronize()  # type: ignore[union-attr]
+            self.stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=self.stream):
                 static_out = self.forward(self.normalise(static_in)).float()
@@ -84,8 +87,8 @@ class CudaGraphExecutor(TorchExecutor):
             pool = torch.cuda.graph_pool_handle()
             for n in sorted(self.buckets, reverse=True):
                 self._capture(n, pool)
-        log.info("captured CUDA graphs for buckets %s in %.1f s", self.buckets,
-                 time.perf_counter() - t0)  # fmt: skip
+        took = time.perf_counter() - t0
+        log.info("captured CUDA graphs for buckets %s in %.1f s", self.buckets, took)
         self.prepare_staging(max(self.buckets))
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +122,7 @@ class CudaGraphExecutor(TorchExecutor):
 
 
 def create(model: LoadedModel, spec: ExecutorSpec, device: str) -> CudaGraphExecutor:
-    if not device.startswith("cuda"):
+    if not is_cuda(device):
         raise StartupError(
             f"--backend cuda-graphs needs a CUDA device; --gpus resolved to {device}"
         )

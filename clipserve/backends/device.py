@@ -1,4 +1,5 @@
-"""Which GPU a thread talks to, and what a device error means for the worker that saw it.
+"""Device names and what kind of device each is, which GPU a thread talks to, and what a device
+error means for the worker that saw it.
 
 CUDA's current device is per host thread and starts at 0, so a thread that touches CUDA before
 selecting its device creates a context on GPU 0: `--gpus 1` would still take memory there. Each
@@ -59,13 +60,42 @@ RECOVERABLE_MARKERS = (
 )
 
 
+# Device names, as `--gpus` resolves them: "cpu", "cuda:N", or "sim:N" (a simulated device, for
+# backends that need no hardware). Every other module asks the functions below what a name is.
+CPU = "cpu"
+_CUDA = "cuda"
+_SIMULATED = "sim"
+
+
+def cuda_device(index: int) -> str:
+    return f"{_CUDA}:{index}"
+
+
+def simulated_device(index: int) -> str:
+    return f"{_SIMULATED}:{index}"
+
+
 def cuda_index(device: str) -> int | None:
     """'cuda:3' → 3, 'cuda' → 0; None for 'cpu' and simulated 'sim:N' devices."""
-    if device == "cuda":
+    if device == _CUDA:
         return 0
-    if device.startswith("cuda:"):
-        return int(device.split(":", 1)[1])
-    return None
+    kind, sep, index = device.partition(":")
+    return int(index) if sep and kind == _CUDA else None
+
+
+def is_cuda(device: str) -> bool:
+    """A CUDA device ('cuda', 'cuda:N'): the one question every layer asks of a device name."""
+    return cuda_index(device) is not None
+
+
+def is_cpu(device: str) -> bool:
+    return device == CPU
+
+
+def torch_device_name(device: str) -> str:
+    """Where torch computes for `device`: a CUDA device itself; the CPU for the CPU and for
+    simulated devices (whose towers run real code on the host: the text tower, GPU decode)."""
+    return device if is_cuda(device) else CPU
 
 
 def select_device(device: str) -> None:

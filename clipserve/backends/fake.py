@@ -44,6 +44,7 @@ from clipserve.backends.base import (
     ExecutorInfo,
     ExecutorSpec,
     check_batch,
+    check_tokens,
     l2_normalise_rows,
     normalisation_affine,
 )
@@ -215,12 +216,13 @@ class FakeTextExecutor:
         self._position = np.arange(context_length, dtype=np.int64) * 7919  # a prime stride
         self._lock = threading.Lock()
         self.batches: list[int] = []  # sizes of the batches run, in order (tests read this)
+        self.attempts: list[int] = []  # sizes of every call to run(), failed ones included
         self.closed = False
 
     def run(self, batch: np.ndarray) -> np.ndarray:
-        if batch.dtype != np.int64 or batch.ndim != 2 or batch.shape[1] != self.context_length:
-            raise ValueError(f"expected int64 tokens (N, {self.context_length}); got "
-                             f"{batch.dtype} {batch.shape}")  # fmt: skip
+        check_tokens(batch, self.context_length)
+        with self._lock:
+            self.attempts.append(len(batch))
         time.sleep(self.latency_s + self.per_item_s * len(batch))
         rows = [row.tobytes() for row in batch]
         if self.fatal is not None and self.fatal in rows:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import io
 import json
 import logging
@@ -20,7 +21,8 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,6 +30,9 @@ from clipserve.backends.base import normalisation_affine
 from clipserve.errors import StartupError
 from clipserve.inference.model import LoadedModel
 from clipserve.inference.preprocess import PreprocessSpec
+
+if TYPE_CHECKING:
+    from onnx import ModelProto
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +66,11 @@ def onnxruntime_warnings_logged() -> Iterator[None]:
         log.warning("onnxruntime: %s", warning.message)
 
 
-def import_onnxruntime() -> Any:
+def import_onnxruntime() -> ModuleType:
+    """onnxruntime, its import-time warnings logged. It has no type information: what is read
+    from the module is untyped."""
     with onnxruntime_warnings_logged():
-        import onnxruntime
-    return onnxruntime
+        return importlib.import_module("onnxruntime")
 
 
 def library_versions() -> dict[str, str]:
@@ -73,8 +79,13 @@ def library_versions() -> dict[str, str]:
 
     from clipserve import __version__
 
-    return {"clipserve": __version__, "torch": torch.__version__, "onnx": onnx.__version__,
-            "onnxruntime": import_onnxruntime().__version__, "opset": str(OPSET)}  # fmt: skip
+    return {
+        "clipserve": __version__,
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "onnxruntime": import_onnxruntime().__version__,
+        "opset": str(OPSET),
+    }
 
 
 def cache_key(model: LoadedModel, digest: str) -> str:
@@ -83,7 +94,7 @@ def cache_key(model: LoadedModel, digest: str) -> str:
     return f"{safe_name}-{digest}-{versions.hexdigest()[:8]}"
 
 
-def normalize_graph(spec: PreprocessSpec, dtype: str) -> Any:
+def normalize_graph(spec: PreprocessSpec, dtype: str) -> ModelProto:
     """uint8 (N, H, W, 3) → float (N, 3, H, W) in `dtype`, normalised with the model's mean/std."""
     from onnx import TensorProto, helper, numpy_helper
 
@@ -131,10 +142,17 @@ def export_image_tower(model: LoadedModel, path: Path, precision: str) -> None:
     chatter = io.StringIO()  # the exporter prints its progress to stdout
     with torch.inference_mode(False), torch.enable_grad(), contextlib.redirect_stdout(chatter):
         program = torch.onnx.export(
-            visual, (dummy,), input_names=[INPUT], output_names=[OUTPUT],
-            dynamic_shapes=({0: batch},), opset_version=OPSET, dynamo=True,
-            optimize=True, verify=False, report=False,
-        )  # fmt: skip
+            visual,
+            (dummy,),
+            input_names=[INPUT],
+            output_names=[OUTPUT],
+            dynamic_shapes=({0: batch},),
+            opset_version=OPSET,
+            dynamo=True,
+            optimize=True,
+            verify=False,
+            report=False,
+        )
     log.debug("torch.onnx: %s", chatter.getvalue())
     assert program is not None
     program.save(str(path))
@@ -203,16 +221,23 @@ def export(model: LoadedModel, directory: Path, precision: str) -> ExportedModel
     floor = FP16_MIN_COSINE if precision == "fp16" else FP32_MIN_COSINE
     if cosine < floor:
         raise StartupError(f"exported ONNX model disagrees with PyTorch (min cosine {cosine:.6f})")
-    (staging / "meta.json").write_text(json.dumps({
-        "model": model.identity, "precision": precision, "min_cosine_vs_torch": cosine,
-        "versions": library_versions(), "input": INPUT, "output": OUTPUT,
-    }, indent=2))  # fmt: skip
+    meta = {
+        "model": model.identity,
+        "precision": precision,
+        "min_cosine_vs_torch": cosine,
+        "versions": library_versions(),
+        "input": INPUT,
+        "output": OUTPUT,
+    }
+    (staging / "meta.json").write_text(json.dumps(meta, indent=2))
     directory.mkdir(exist_ok=True)
     for f in staging.iterdir():
         f.replace(directory / f.name)
     staging.rmdir()
-    log.info("exported %s (%s) to %s in %.1f s; min cosine vs PyTorch %.7f",
-             model.identity, precision, directory, time.perf_counter() - t0, cosine)  # fmt: skip
+    what, took = f"{model.identity} ({precision})", time.perf_counter() - t0
+    log.info(
+        "exported %s to %s in %.1f s; min cosine vs PyTorch %.7f", what, directory, took, cosine
+    )
     return ExportedModel(directory, directory / image.name, directory / normalize.name, precision)
 
 

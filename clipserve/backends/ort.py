@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from clipserve.backends.base import ExecutorInfo, ExecutorSpec, check_batch
-from clipserve.backends.device import cuda_index, fatal_device_errors
+from clipserve.backends.device import cuda_index, fatal_device_errors, is_cpu, is_cuda
 from clipserve.backends.onnx_export import (
     INPUT,
     OUTPUT,
@@ -65,12 +65,19 @@ SUPPORTED_PRECISIONS = {
 }
 TRT_WORKSPACE_BYTES = 4 << 30
 # pip distributions that carry TensorRT, newest naming first (their version is TensorRT's).
-TRT_DISTRIBUTIONS = ("tensorrt-cu13-libs", "tensorrt-cu12-libs", "tensorrt-cu13", "tensorrt-cu12",
-                     "tensorrt-libs", "tensorrt")  # fmt: skip
+TRT_DISTRIBUTIONS = (
+    "tensorrt-cu13-libs",
+    "tensorrt-cu12-libs",
+    "tensorrt-cu13",
+    "tensorrt-cu12",
+    "tensorrt-libs",
+    "tensorrt",
+)
 
 
 def device_id(device: str) -> int:
-    return int(device.split(":", 1)[1]) if ":" in device else 0
+    """ONNX Runtime's device id: the CUDA index, 0 on the CPU."""
+    return cuda_index(device) or 0
 
 
 def shape_spec(name: str, batch: int, height: int, width: int) -> str:
@@ -219,8 +226,8 @@ def unavailable_reason(backend: str, device: str) -> str | None:
     if PROVIDER[backend] not in ort.get_available_providers():
         return f"this onnxruntime build has no {PROVIDER[backend]}; {INSTALL_HINT[backend]}"
     if backend == "ort-cpu":
-        return None if device == "cpu" else "serves on the CPU only"
-    if not device.startswith("cuda"):
+        return None if is_cpu(device) else "serves on the CPU only"
+    if not is_cuda(device):
         return "needs a CUDA device"
     if backend == "ort-trt" and not tensorrt_libraries_present():
         return f"TensorRT libraries not found; {INSTALL_HINT[backend]}"
@@ -245,12 +252,18 @@ class OrtExecutor:
         self.spec = model.preprocess
         self.backend = backend
         self.device = device
-        self.device_type = "cpu" if device == "cpu" else "cuda"
+        self.on_cuda = is_cuda(device)
+        self.device_type = "cuda" if self.on_cuda else "cpu"  # as ONNX Runtime names it
         self.device_id = device_id(device)
         trt: dict[str, str] | None = None
         if backend == "ort-trt":
-            cache = TrtCache(tensorrt_version(), compute_capability(device), precision,
-                             self.spec.size, trt_profile(max_batch_size))  # fmt: skip
+            cache = TrtCache(
+                trt_version=tensorrt_version(),
+                capability=compute_capability(device),
+                precision=precision,
+                size=self.spec.size,
+                profile=trt_profile(max_batch_size),
+            )
             trt = trt_provider_options(device, cache, exported.directory / "trt")
             for key in ("trt_engine_cache_path", "trt_timing_cache_path"):
                 Path(trt[key]).mkdir(parents=True, exist_ok=True)
@@ -259,7 +272,7 @@ class OrtExecutor:
         installed = ort.get_available_providers()
         providers = [p for p in providers_for(backend, device, trt) if p[0] in installed]
         check_providers(backend, device, [name for name, _ in providers], installed=True)
-        if self.device_type == "cuda" and hasattr(ort, "preload_dlls"):
+        if self.on_cuda and hasattr(ort, "preload_dlls"):
             with onnxruntime_warnings_logged():  # diagnostics about CUDA libraries, for the log
                 ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels that PyTorch also uses
         options = session_options(exported.precision, threads)
@@ -271,10 +284,11 @@ class OrtExecutor:
         check_providers(backend, device, self.image.get_providers(), installed=False)
         # The normalisation prefix is tiny: CUDA (or CPU) is enough, TensorRT would add a build.
         prefix_providers = [p for p in providers if p[0] != TRT]
-        self.normalize = ort.InferenceSession(str(exported.normalize), options,
-                                              providers=prefix_providers)  # fmt: skip
-        log.info("%s session on %s ready in %.1f s (providers: %s)", backend, device,
-                 time.perf_counter() - t0, ", ".join(self.image.get_providers()))  # fmt: skip
+        self.normalize = ort.InferenceSession(
+            str(exported.normalize), options, providers=prefix_providers
+        )
+        took, got = time.perf_counter() - t0, ", ".join(self.image.get_providers())
+        log.info("%s session on %s ready in %.1f s (providers: %s)", backend, device, took, got)
         self.float_dtype = np.float16 if exported.precision == "fp16" else np.float32
         h, w = self.spec.size
         self.max_batch = max_batch_size
@@ -288,11 +302,12 @@ class OrtExecutor:
 
     def _bind(self, binding: Any, name: str, value: Any, shape: tuple[int, ...], out: bool) -> None:
         bind = binding.bind_output if out else binding.bind_input
-        bind(name, self.device_type, self.device_id, self.float_dtype, list(shape),
-             value.data_ptr())  # fmt: skip
+        bind(
+            name, self.device_type, self.device_id, self.float_dtype, list(shape), value.data_ptr()
+        )
 
     def run(self, batch: np.ndarray) -> np.ndarray:
-        if self.device_type == "cpu":
+        if not self.on_cuda:
             return self._run(batch)
         # "CUDA error cudaErrorIllegalAddress: ..." and the like leave the device unusable.
         with fatal_device_errors(self.device):
@@ -329,7 +344,7 @@ class OrtExecutor:
             self.run(np.zeros((n, h, w, 3), dtype=np.uint8))
 
     def memory(self) -> int | None:
-        if self.device_type != "cuda":
+        if not self.on_cuda:
             return None
         import torch
 
@@ -355,7 +370,7 @@ def create(
             f"--precision {precision}: backend {backend} supports "
             f"{', '.join(SUPPORTED_PRECISIONS[backend])}"
         )
-    if backend != "ort-cpu" and not device.startswith("cuda"):
+    if backend != "ort-cpu" and not is_cuda(device):
         raise StartupError(f"--backend {backend} needs a CUDA device; --gpus resolved to {device}")
     try:
         ort = import_onnxruntime()
@@ -368,6 +383,14 @@ def create(
     # TensorRT takes the FP32 graph and builds FP16 kernels itself (trt_fp16_enable).
     graph_precision = "fp32" if backend == "ort-trt" else precision
     exported = cached_export(model, spec.cache_dir, graph_precision)
-    threads = resolve_workers(spec.threads) if device == "cpu" else 1
-    return OrtExecutor(exported, model, backend, device, precision, threads=threads,
-                       max_batch_size=spec.max_batch_size, enable_profiling=profiling)  # fmt: skip
+    threads = resolve_workers(spec.threads) if is_cpu(device) else 1
+    return OrtExecutor(
+        exported,
+        model,
+        backend,
+        device,
+        precision,
+        threads=threads,
+        max_batch_size=spec.max_batch_size,
+        enable_profiling=profiling,
+    )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from clipserve.backends.base import Executor, ExecutorSpec, Factory
+from clipserve.backends.device import CPU, cuda_device, is_cuda, simulated_device
 from clipserve.errors import StartupError
 
 if TYPE_CHECKING:
@@ -98,14 +99,14 @@ def resolve_devices(gpus: str, backend: str) -> list[str]:
     spec = gpus.replace(" ", "")
     simulated = backend in BACKENDS and BACKENDS[backend].simulated
     if spec == "cpu":
-        return ["cpu"]
+        return [CPU]
     if spec == "auto":
-        return ["cuda:0"] if not simulated and cuda_device_count() else ["cpu"]
+        return [cuda_device(0)] if not simulated and cuda_device_count() else [CPU]
     ids = [int(i) for i in spec.split(",")]
     if len(set(ids)) != len(ids):
         raise StartupError(f"--gpus {gpus}: an id is listed twice")
     if simulated:
-        return [f"sim:{i}" for i in ids]
+        return [simulated_device(i) for i in ids]
     visible = cuda_device_count()
     missing = [i for i in ids if i >= visible]
     if missing:
@@ -113,12 +114,12 @@ def resolve_devices(gpus: str, backend: str) -> list[str]:
             f"--gpus {gpus}: no CUDA device {missing[0]} ({visible} visible); "
             "pass --gpus cpu to serve on the CPU"
         )
-    return [f"cuda:{i}" for i in ids]
+    return [cuda_device(i) for i in ids]
 
 
 def unavailable_reason(name: str, device: str) -> str | None:
     """Why backend `name` cannot run on `device`, or None if it may (building it may still fail)."""
-    if BACKENDS[name].gpu_only and not device.startswith("cuda"):
+    if BACKENDS[name].gpu_only and not is_cuda(device):
         return "needs a CUDA device"
     try:
         implementation = _load(name)
@@ -153,7 +154,7 @@ def backend_candidates(name: str, device: str) -> list[str]:
 def create_executor(model: LoadedModel, spec: ExecutorSpec, device: str) -> Executor:
     """The image tower of backend `spec.backend` on `device`, not yet warmed up."""
     implementation = _load(spec.backend)
-    if BACKENDS[spec.backend].gpu_only and not device.startswith("cuda"):
+    if BACKENDS[spec.backend].gpu_only and not is_cuda(device):
         raise StartupError(
             f"--backend {spec.backend} needs a CUDA device; --gpus resolved to {device}"
         )

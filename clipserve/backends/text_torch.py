@@ -13,9 +13,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from clipserve.backends.base import ExecutorInfo, ExecutorSpec
-from clipserve.backends.device import device_context, fatal_device_errors
-from clipserve.backends.torch_eager import default_precision
+from clipserve.backends.base import ExecutorInfo, ExecutorSpec, check_tokens
+from clipserve.backends.device import (
+    device_context,
+    fatal_device_errors,
+    is_cuda,
+    torch_device_name,
+)
+from clipserve.backends.torch_eager import default_precision, own_stream
 
 if TYPE_CHECKING:
     from clipserve.inference.model import LoadedModel
@@ -38,18 +43,16 @@ class TextExecutor:
         self.is_cuda = self.device.type == "cuda"
         with device_context(device):
             self.module: Any = module.to(self.device, _DTYPES[precision]).eval()
-            self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None  # type: ignore[no-untyped-call]
+            self.stream = own_stream(self.device)
         self.context_length = int(model.context_length)
-        self.info = ExecutorInfo("torch-text", str(self.device), precision, (0, 0),
-                                 model.embed_dim)  # fmt: skip
+        self.info = ExecutorInfo("torch-text", str(self.device), precision, (0, 0), model.embed_dim)
 
     def run(self, batch: np.ndarray) -> np.ndarray:
-        if batch.dtype != np.int64 or batch.ndim != 2 or batch.shape[1] != self.context_length:
-            raise ValueError(f"expected int64 tokens (N, {self.context_length}); got "
-                             f"{batch.dtype} {batch.shape}")  # fmt: skip
+        check_tokens(batch, self.context_length)
         if not self.is_cuda:
             with torch.inference_mode():
-                return self.module.encode_text(torch.from_numpy(batch)).float().numpy()  # type: ignore[no-any-return]
+                out: np.ndarray = self.module.encode_text(torch.from_numpy(batch)).float().numpy()
+            return out
         with (
             fatal_device_errors(self.info.device),
             device_context(self.info.device),
@@ -57,7 +60,7 @@ class TextExecutor:
             torch.cuda.stream(self.stream),
         ):
             tokens = torch.from_numpy(batch).pin_memory().to(self.device, non_blocking=True)
-            out: np.ndarray = self.module.encode_text(tokens).float().cpu().numpy()
+            out = self.module.encode_text(tokens).float().cpu().numpy()
         return out
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
@@ -77,6 +80,6 @@ class TextExecutor:
 def create(model: LoadedModel, spec: ExecutorSpec, device: str) -> TextExecutor:
     """The text tower beside any image backend: at its precision on CUDA, FP32 elsewhere; a
     simulated device's text tower runs on the CPU."""
-    if device.startswith("cuda"):
+    if is_cuda(device):
         return TextExecutor(model, device, spec.precision)
-    return TextExecutor(model, "cpu" if device.startswith("sim") else device, "fp32")
+    return TextExecutor(model, torch_device_name(device), "fp32")

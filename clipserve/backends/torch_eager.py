@@ -28,7 +28,7 @@ from clipserve.backends.base import (
     l2_normalise_rows,
     normalisation_affine,
 )
-from clipserve.backends.device import device_context, fatal_device_errors
+from clipserve.backends.device import device_context, fatal_device_errors, is_cpu, is_cuda
 from clipserve.config import resolve_workers
 from clipserve.errors import StartupError
 
@@ -41,17 +41,17 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 def unavailable_reason(backend: str, device: str) -> str | None:
-    if device == "cpu" or (device.startswith("cuda") and torch.cuda.is_available()):
+    if is_cpu(device) or (is_cuda(device) and torch.cuda.is_available()):
         return None
     return f"not available on {device}"
 
 
 def default_precision(device: str) -> str:
-    return "fp16" if device.startswith("cuda") else "fp32"
+    return "fp16" if is_cuda(device) else "fp32"
 
 
 def check_precision(backend: str, precision: str, device: str) -> None:
-    if precision == "fp16" and not device.startswith("cuda"):
+    if precision == "fp16" and not is_cuda(device):
         raise StartupError(
             f"--precision fp16: backend {backend} supports fp16 only on CUDA devices "
             f"(device is {device}); pass --precision fp32"
@@ -70,6 +70,18 @@ def l2_normalise_device(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask[:, None], unit / norms, x)
 
 
+def own_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A CUDA stream of this executor's own (PyTorch's pool streams do not synchronise with the
+    default stream); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+
+def _event(*, blocking: bool = False) -> torch.cuda.Event:
+    return torch.cuda.Event(blocking=blocking)  # type: ignore[no-untyped-call]
+
+
 class _Slot:
     """One batch's staging: pinned host input and mask, their device copies, pinned output."""
 
@@ -80,10 +92,10 @@ class _Slot:
         self.host_out = torch.empty((n, dim), dtype=torch.float32, pin_memory=True)
         self.device_in = torch.empty((n, h, w, 3), dtype=torch.uint8, device=device)
         self.device_mask = torch.empty((n,), dtype=torch.bool, device=device)
-        self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self.copied = _event()
         # A blocking event: the waiting thread sleeps instead of spinning a core the decode
         # pool could use; it costs tens of microseconds per batch.
-        self.done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        self.done = _event(blocking=True)
         self.capacity = n
 
 
@@ -121,11 +133,10 @@ class TorchExecutor:
             scale, bias = normalisation_affine(self.spec)
             self._scale = torch.from_numpy(scale).view(1, 3, 1, 1).to(self.device)
             self._bias = torch.from_numpy(bias).view(1, 3, 1, 1).to(self.device)
-            # Its own stream (PyTorch's pool streams do not synchronise with the default stream),
-            # so image batches never queue behind the text tower or a library's default-stream work.
-            self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None  # type: ignore[no-untyped-call]
+            # Image batches never queue behind the text tower or a library's default-stream work.
+            self.stream = own_stream(self.device)
             # Host-to-device copies of the next batch overlap this batch's compute.
-            self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None  # type: ignore[no-untyped-call]
+            self.copy_stream = own_stream(self.device)
         self.asynchronous = self.is_cuda
         self._free: list[_Slot] = []  # staging slots not holding a batch in flight
         self._slots_lock = threading.Lock()  # launch and wait run on different threads
@@ -150,7 +161,8 @@ class TorchExecutor:
         return x.permute(0, 3, 1, 2).float().mul_(self._scale).add_(self._bias).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.visual(x)  # type: ignore[no-any-return]
+        out: torch.Tensor = self.visual(x)  # open_clip is untyped
+        return out
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 NHWC already on the device → float32 (N, D) embeddings, on the current stream.
@@ -182,8 +194,8 @@ class TorchExecutor:
         enqueued before the failure is over; on a broken device it is dropped."""
         assert self.stream is not None and self.copy_stream is not None
         try:
-            self.copy_stream.synchronize()  # type: ignore[no-untyped-call]
-            self.stream.synchronize()  # type: ignore[no-untyped-call]
+            self.copy_stream.synchronize()
+            self.stream.synchronize()
         except Exception:
             return
         self._give_back(slot)
@@ -196,11 +208,11 @@ class TorchExecutor:
         with torch.cuda.stream(self.copy_stream):
             # The slot's previous batch was waited for before it came back; this keeps its
             # device buffers safe even so, in stream order, at no host cost.
-            self.copy_stream.wait_event(slot.done)  # type: ignore[no-untyped-call]
+            self.copy_stream.wait_event(slot.done)
             slot.device_in[:n].copy_(slot.host_in[:n], non_blocking=True)
             slot.device_mask[:n].copy_(slot.host_mask[:n], non_blocking=True)
             slot.copied.record(self.copy_stream)
-        self.stream.wait_event(slot.copied)  # type: ignore[no-untyped-call]
+        self.stream.wait_event(slot.copied)
         with torch.cuda.stream(self.stream):
             rows = l2_normalise_device(self.embed(slot.device_in[:n]), slot.device_mask[:n])
             slot.host_out[:n].copy_(rows, non_blocking=True)
@@ -214,7 +226,7 @@ class TorchExecutor:
         slot = launched.slot
         try:
             with fatal_device_errors(self.info.device):
-                slot.done.synchronize()  # type: ignore[no-untyped-call]
+                slot.done.synchronize()
             # A copy: the slot's pinned output is rewritten by the next batch that uses it.
             return slot.host_out[: launched.n].numpy().copy()
         finally:
@@ -225,7 +237,10 @@ class TorchExecutor:
         with self._slots_lock:
             if self._free:
                 return self._free.pop()
-        return _Slot(self._slot_size, self.spec.size, self.info.embed_dim, self.device)
+        return self._new_slot(self._slot_size)
+
+    def _new_slot(self, n: int) -> _Slot:
+        return _Slot(n, self.spec.size, self.info.embed_dim, self.device)
 
     def _give_back(self, slot: _Slot) -> None:
         with self._slots_lock:
@@ -261,8 +276,7 @@ class TorchExecutor:
             return
         self._slot_size = max_batch_size
         with device_context(self.info.device):
-            made = [_Slot(max_batch_size, self.spec.size, self.info.embed_dim, self.device)
-                    for _ in range(slots)]  # fmt: skip
+            made = [self._new_slot(max_batch_size) for _ in range(slots)]
         with self._slots_lock:
             self._free = made
         h, w = self.spec.size
@@ -284,6 +298,6 @@ class TorchExecutor:
 def create(model: LoadedModel, spec: ExecutorSpec, device: str) -> TorchExecutor:
     precision = spec.precision or default_precision(device)
     check_precision("torch", precision, device)
-    if device == "cpu":
+    if is_cpu(device):
         configure_cpu_threads(spec.threads)
     return TorchExecutor(model, device, precision, compile=spec.compile)

@@ -7,13 +7,13 @@ import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from clipserve.backends.base import Executor
 from clipserve.batching.queue import Admission, BatchQueue, Ticket, WorkItem
+from clipserve.batching.tower import Completed, TowerKind
 from clipserve.batching.worker import DeviceWorker
 from clipserve.config import BatchingConfig
 from clipserve.errors import (
@@ -26,14 +26,8 @@ from clipserve.errors import (
 )
 from clipserve.metrics import Metrics
 
-
-@dataclass
-class Completed:
-    """Embeddings of one request, in order, and when its items queued and computed."""
-
-    embeddings: np.ndarray  # (N, D) float32
-    queue_s: float
-    compute_s: float
+if TYPE_CHECKING:  # imports torch: only with --decode gpu
+    from clipserve.inference.gpu_decode import DeviceDecoder
 
 
 class Batcher:
@@ -45,8 +39,8 @@ class Batcher:
         config: BatchingConfig,
         metrics: Metrics,
         threads: Sequence[ThreadPoolExecutor | None] | None = None,
-        kind: str = "image",
-        decoders: Sequence[Any | None] | None = None,
+        kind: TowerKind = "image",
+        decoders: Sequence[DeviceDecoder | None] | None = None,
     ) -> None:
         self.max_batch_size = config.max_batch_size
         self.admission = Admission(config.max_queue_size)

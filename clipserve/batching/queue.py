@@ -84,9 +84,9 @@ class WorkItem:
     finished_at: float = 0.0
 
     @property
-    def kind(self) -> tuple[str, tuple[int, ...]]:
-        """Items of one kind can be stacked into one batch; encoded images of any length
-        batch together (the device worker decodes them into crops first)."""
+    def stack_key(self) -> tuple[str, tuple[int, ...]]:
+        """Items with equal keys can be stacked into one batch: one dtype and shape. Encoded
+        images of any length batch together (the device worker decodes them into crops first)."""
         if is_encoded(self.array):
             return ("encoded", ())
         return (self.array.dtype.str, self.array.shape)
@@ -145,7 +145,7 @@ class BatchQueue:
             self.on_expired(len(items))
 
     def _pop(self, max_n: int, batch_seconds: Callable[[int], float]) -> list[WorkItem]:
-        """Up to max_n live items of the oldest item's kind, in arrival order.
+        """Up to max_n live items that stack with the oldest one, in arrival order.
 
         Items whose deadline has passed are dropped. So are items that would finish after their
         deadline if started now (by `batch_seconds`, the worker's estimate for the batch this
@@ -157,8 +157,8 @@ class BatchQueue:
         if not self._items:
             return []
         now = time.perf_counter()
-        kind = self._items[0].kind
-        live = sum(1 for item in self._items if item.kind == kind and not item.future.done())
+        key = self._items[0].stack_key
+        live = sum(1 for item in self._items if item.stack_key == key and not item.future.done())
         finish_by = now + batch_seconds(min(max_n, live))
         batch: list[WorkItem] = []
         doomed: list[WorkItem] = []
@@ -169,9 +169,9 @@ class BatchQueue:
                 continue
             if item.deadline is not None and item.deadline <= now:
                 passed.append(item)
-            elif item.kind == kind and item.deadline is not None and item.deadline < finish_by:
+            elif item.stack_key == key and item.deadline is not None and item.deadline < finish_by:
                 doomed.append(item)
-            elif len(batch) < max_n and item.kind == kind:
+            elif len(batch) < max_n and item.stack_key == key:
                 batch.append(item)
             else:
                 rest.append(item)

@@ -16,45 +16,24 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from clipserve.backends.base import Executor, as_async, l2_normalise_rows
+from clipserve.backends.base import Executor, as_async
 from clipserve.backends.device import select_device
+from clipserve.batching.compute import LOST, UNANSWERED, Outcome, check_shape, compute, rows_of
 from clipserve.batching.cost import CostModel
 from clipserve.batching.queue import BatchQueue, WorkItem, is_encoded
-from clipserve.errors import (
-    ClipserveError,
-    ExecutorFailed,
-    ExecutorFatal,
-    NonFiniteEmbedding,
-    NotReady,
-)
+from clipserve.batching.tower import TowerKind
+from clipserve.errors import ClipserveError, ExecutorFailed, ExecutorFatal, NotReady
 from clipserve.metrics import Metrics
 
+if TYPE_CHECKING:  # imports torch: only with --decode gpu
+    from clipserve.inference.gpu_decode import DeviceDecoder
+
 log = logging.getLogger(__name__)
-
-# A failing batch is split in halves, and failing halves again, this many times at most: enough
-# to isolate single items in batches of up to 256, and bounded when every item fails.
-MAX_SPLIT_DEPTH = 8
-_LOST = "the device was lost before this image was computed; retry"
-
-
-@dataclass
-class Outcome:
-    """What the device thread made of one batch: per item, its row or the error to answer."""
-
-    rows: list[np.ndarray | ClipserveError]
-    retries: int = 0  # sub-batches run again after a failure
-    errors: list[Exception] = field(default_factory=list)  # executor failures, for the log
-    fatal: ExecutorFatal | None = None
-    device_s: float = 0.0  # the device's time on this batch, not counting waits behind others
-
-    @property
-    def clean(self) -> bool:
-        return not self.retries and not self.errors and self.fatal is None
 
 
 @dataclass(eq=False)
@@ -81,16 +60,16 @@ class DeviceWorker:
         metrics: Metrics,
         thread: ThreadPoolExecutor | None = None,
         on_death: Callable[[], None] = lambda: None,
-        kind: str = "image",
+        kind: TowerKind = "image",
         pipeline_depth: int = 1,
-        decoder: Any = None,
+        decoder: DeviceDecoder | None = None,
     ) -> None:
         """`pipeline_depth` batches may be in flight at once where the executor is asynchronous
         (`as_async`); a synchronous executor always runs one at a time."""
         self.kind = kind
         self.executor = executor
-        # --decode gpu: a gpu_decode.DeviceDecoder that turns a batch of JPEG bytes into crops
-        # on this worker's device thread, just before the forward pass.
+        # --decode gpu: turns a batch of JPEG bytes into crops on this worker's device thread,
+        # just before the forward pass.
         self.decoder = decoder
         self.device = executor.info.device
         self.queue = queue
@@ -188,7 +167,7 @@ class DeviceWorker:
                 task.result()  # neither returns: raise what ended it
             raise RuntimeError("device worker task ended")  # pragma: no cover
         except ExecutorFatal:
-            why = NotReady(_LOST)
+            why = NotReady(LOST)
             raise
         except Exception:
             why = NotReady("the device worker stopped before this image was computed; retry")
@@ -251,7 +230,7 @@ class DeviceWorker:
         try:
             crops, ok, errors = await loop.run_in_executor(self._thread, self._decoded, encoded)
         except ExecutorFatal as exc:  # the device is gone: as a failed forward pass would be
-            return Outcome([NotReady(_LOST) for _ in batch.items], fatal=exc)
+            return Outcome([NotReady(LOST) for _ in batch.items], fatal=exc)
         except Exception as exc:
             return Outcome([ExecutorFailed("internal error") for _ in batch.items], errors=[exc])
         for index, error in errors.items():
@@ -269,6 +248,7 @@ class DeviceWorker:
     ) -> tuple[np.ndarray, list[int], dict[int, ClipserveError]]:
         from clipserve.inference.gpu_decode import crops_numpy
 
+        assert self.decoder is not None
         decoded = self.decoder.decode(encoded)
         # Crops come back to the host and the executor copies them in again (~150 KB each
         # way per image): decoding straight into its device input is the next step.
@@ -285,7 +265,7 @@ class DeviceWorker:
         assert self.asynchronous is not None
         out = self.asynchronous.wait(handle)
         done = time.perf_counter()
-        _check_shape(out, size)
+        check_shape(out, size)
         return out, done
 
     async def _finish(self, slots: asyncio.Semaphore, launched: asyncio.Queue[_Batch]) -> None:
@@ -313,7 +293,7 @@ class DeviceWorker:
                 # the batch before it was done. Throughput per batch is what admission needs.
                 device_s = done - max(batch.launched_at, self._last_done)
                 self._last_done = done
-                return Outcome(_rows(np.asarray(out, dtype=np.float32)), device_s=device_s)
+                return Outcome(rows_of(np.asarray(out, dtype=np.float32)), device_s=device_s)
         return await self._compute_on_thread(batch, batch.error)
 
     async def _compute_on_thread(self, batch: _Batch, failed: Exception | None) -> Outcome:
@@ -321,65 +301,12 @@ class DeviceWorker:
         arrays = [item.array for item in batch.items]
         try:
             outcome = await loop.run_in_executor(
-                self._thread, self._compute, arrays, batch.mask, failed
+                self._thread, compute, self.executor, arrays, batch.mask, failed
             )
         except Exception as exc:  # not from the executor (the thread pool itself): fail all
             return Outcome([ExecutorFailed("internal error") for _ in arrays], errors=[exc])
         self._last_done = time.perf_counter()
         return outcome
-
-    def _forward(self, batch: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        out = self.executor.run(batch)
-        _check_shape(out, len(batch))
-        return l2_normalise_rows(np.asarray(out, dtype=np.float32), mask)
-
-    def _compute(
-        self, arrays: list[np.ndarray], mask: np.ndarray, failed: Exception | None = None
-    ) -> Outcome:
-        """Runs on the device thread: stacking, the forward pass and L2 normalisation; a failing
-        batch is bisected so that only the items that fail on their own are answered 500.
-        `failed`: the batch already failed whole (launched asynchronously); start by splitting."""
-        t0 = time.perf_counter()
-        outcome = Outcome([ExecutorFailed("internal error") for _ in arrays])
-        if isinstance(failed, ExecutorFatal):
-            outcome.fatal = failed
-            failed = None
-        self._bisect(np.stack(arrays), mask, 0, outcome, 0, failed)
-        outcome.device_s = time.perf_counter() - t0
-        return outcome
-
-    def _bisect(
-        self,
-        batch: np.ndarray,
-        mask: np.ndarray,
-        offset: int,
-        outcome: Outcome,
-        depth: int,
-        failed: Exception | None = None,
-    ) -> None:
-        out: np.ndarray | None = None
-        if outcome.fatal is None and failed is None:
-            try:
-                out = self._forward(batch, mask)
-            except ExecutorFatal as exc:
-                outcome.fatal = exc
-            except Exception as exc:  # CUDA out-of-memory included: smaller batches may fit
-                failed = exc
-        if outcome.fatal is not None:  # the device is gone: the rest may be computed elsewhere
-            outcome.rows[offset : offset + len(batch)] = [NotReady(_LOST) for _ in batch]
-            return
-        if out is None:  # split outside the handler, so tracebacks do not chain
-            assert failed is not None
-            if len(batch) == 1 or depth >= MAX_SPLIT_DEPTH:
-                outcome.errors.append(failed)
-                return
-            mid = len(batch) // 2
-            outcome.retries += 2
-            self._bisect(batch[:mid], mask[:mid], offset, outcome, depth + 1)
-            self._bisect(batch[mid:], mask[mid:], offset + mid, outcome, depth + 1)
-            return
-        rows = _rows(out)
-        outcome.rows[offset : offset + len(rows)] = rows
 
     def _settle(self, batch: _Batch, outcome: Outcome) -> None:
         """Metrics, the cost model and every item's answer, on the loop."""
@@ -408,33 +335,15 @@ class DeviceWorker:
         if not outcome.errors and outcome.fatal is None:
             return  # bisected, yet every part ran: a transient failure
         self.metrics.batch_failures.labels(self.device).inc()
-        failed = sorted(
-            {item.request_id for item, row in zip(batch, outcome.rows, strict=True)
-             if isinstance(row, (ExecutorFailed, NotReady))}
-        )  # fmt: skip
-        error = outcome.fatal or outcome.errors[0]
+        rows = zip(batch, outcome.rows, strict=True)
+        failed = [item.request_id for item, row in rows if isinstance(row, UNANSWERED)]
         log.error(
             "%s on %s failed %d of a batch of %d after %d retries; request ids: %s",
             "device lost" if outcome.fatal else "executor error",
             self.device,
-            sum(isinstance(row, (ExecutorFailed, NotReady)) for row in outcome.rows),
+            len(failed),
             len(batch),
             outcome.retries,
-            ", ".join(failed),
-            exc_info=error,
+            ", ".join(sorted(set(failed))),
+            exc_info=outcome.fatal or outcome.errors[0],
         )
-
-
-def _check_shape(out: np.ndarray, size: int) -> None:
-    if out.ndim != 2 or out.shape[0] != size:
-        raise RuntimeError(f"executor returned shape {out.shape} for {size} images")
-
-
-def _rows(out: np.ndarray) -> list[np.ndarray | ClipserveError]:
-    """One row per item; a row with NaN or infinity fails only its own item."""
-    rows: list[np.ndarray | ClipserveError] = list(out)
-    for i in np.flatnonzero(~np.isfinite(out).all(axis=1)):
-        rows[i] = NonFiniteEmbedding(
-            "the model produced non-finite values (NaN or infinity) for this input"
-        )
-    return rows

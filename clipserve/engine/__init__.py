@@ -7,7 +7,8 @@
                      into a shared-memory slot; the engine reads items from the slots and writes
                      embeddings back into them
 
-`slots.py` holds the shared memory, `wire.py` the frames, `service.py` the engine's side,
-`remote.py` the front end's, `supervisor.py` the process tree. With `--workers 1` none of this
-runs: the one process holds the Batchers itself, and the batching code is the same either way.
+`slots.py` holds the shared memory, `wire.py` the frames, `messages.py` their types (and the
+model card's and the status's), `service.py` the engine's side, `remote.py` the front end's,
+`supervisor.py` the process tree. With `--workers 1` none of this runs: the one process holds
+the Batchers itself, and the batching code is the same either way.
 """

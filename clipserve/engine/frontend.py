@@ -7,10 +7,10 @@ import logging
 import os
 import socket
 import threading
-from typing import Any
 
 from clipserve.config import ServerConfig
 from clipserve.engine.child import start_child
+from clipserve.engine.messages import ModelCard
 from clipserve.http.app import create_app
 from clipserve.http.server import build_uvicorn_config, draining_server, ensure_fd_limit
 
@@ -32,10 +32,10 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
 def frontend_main(
     config: ServerConfig,
     socket_path: str,
-    card: dict[str, Any],
+    card: ModelCard,
     index: int,
     parent: int,
-    together: Any = None,
+    together: threading.Barrier | None = None,
 ) -> None:
     """A front end's entry: the same app and uvicorn settings as one process, its towers
     remote, its listening socket one of the port's SO_REUSEPORT group. `together` (a

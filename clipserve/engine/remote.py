@@ -1,7 +1,8 @@
 """The front end's side of the control channel: towers that admit and run in the engine.
 
-`RemoteTower` has what the pipeline and the probes use of a Batcher (`reserve`, `run`,
-`alive`, `workers`, `depth`); the batching itself happens once, in the engine.
+`RemoteTower` is a `Tower[RemoteTicket]` (`clipserve.batching.tower`), as a Batcher is a
+`Tower[Ticket]`: what the pipeline and the probes use; the batching itself happens once, in the
+engine.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from clipserve.batching import Completed
+from clipserve.backends.device import is_cpu
+from clipserve.batching.tower import Completed, Tower, TowerKind
 from clipserve.config import ServerConfig, resolve_workers
 from clipserve.engine import wire
+from clipserve.engine.messages import ModelCard, Status, ToEngine, ToFront, WorkerRow
 from clipserve.engine.slots import SlotArena, segment_path
 from clipserve.errors import NotReady
 from clipserve.inference.model import LoadedModel
@@ -31,10 +34,10 @@ RECONNECT_S = 0.2
 ENGINE_GONE = "the engine process is not available; retry"
 
 
-def slot_bytes(card: dict[str, Any]) -> int:
+def slot_bytes(card: ModelCard) -> int:
     """The largest item either way: a float32 CHW image, a row of tokens, an embedding."""
     h, w = card["preprocess"]["size"]
-    return max(3 * int(h) * int(w) * 4, int(card["context_length"]) * 8, int(card["embed_dim"]) * 4)
+    return max(3 * h * w * 4, card["context_length"] * 8, card["embed_dim"] * 4)
 
 
 def slot_count(config: ServerConfig, devices: int) -> int:
@@ -46,7 +49,7 @@ def slot_count(config: ServerConfig, devices: int) -> int:
     return 2 * b.max_queue_size + 2 * (devices * b.pipeline_depth + 1) * largest
 
 
-def served_config(config: ServerConfig, card: dict[str, Any]) -> ServerConfig:
+def served_config(config: ServerConfig, card: ModelCard) -> ServerConfig:
     """The config as the engine serves it (its device-dependent defaults resolved)."""
     batching = dataclasses.replace(config.batching, **card["batching"])
     return dataclasses.replace(config, batching=batching, defaulted=frozenset())
@@ -66,32 +69,46 @@ class FrontRuntime:
     image_input: Callable[[bytes], np.ndarray] | None = None
 
     @classmethod
-    def from_card(cls, card: dict[str, Any], config: ServerConfig, slot_bytes: int) -> FrontRuntime:
+    def from_card(cls, card: ModelCard, config: ServerConfig, slot_bytes: int) -> FrontRuntime:
         import open_clip
 
         from clipserve.inference.model import resolve_name
 
         pre = card["preprocess"]
+        height, width = pre["size"]
         spec = PreprocessSpec(
-            size=(int(pre["size"][0]), int(pre["size"][1])),
-            mean=tuple(pre["mean"]),  # type: ignore[arg-type]
-            std=tuple(pre["std"]),  # type: ignore[arg-type]
+            size=(height, width),
+            mean=_rgb(pre["mean"]),
+            std=_rgb(pre["std"]),
             interpolation=pre["interpolation"],
             resize_mode=pre["resize_mode"],
         )
         resolve_name(config.model.model)  # registers a JSON config, as the engine did
         model = LoadedModel(
-            None, card["name"], card["weights_id"], spec, int(card["embed_dim"]),
-            open_clip.get_tokenizer(card["name"]), int(card["context_length"]),
-        )  # fmt: skip
+            module=None,
+            name=card["name"],
+            weights_id=card["weights_id"],
+            preprocess=spec,
+            embed_dim=card["embed_dim"],
+            tokenizer=open_clip.get_tokenizer(card["name"]),
+            context_length=card["context_length"],
+        )
         decoder = ImageDecoder.from_limits(spec, config.limits)
         image_input = None
         if config.backend.decode == "gpu":  # the engine decodes JPEGs that fit a slot
             from clipserve.inference.gpu_decode import EncodedAtAdmission
 
             image_input = EncodedAtAdmission(decoder, max_bytes=slot_bytes)
-        return cls(served_config(config, card), model, card["backend"], list(card["devices"]),
-                   card["precision"], decoder, config.http.workers, image_input)  # fmt: skip
+        return cls(
+            config=served_config(config, card),
+            model=model,
+            backend=card["backend"],
+            devices=list(card["devices"]),
+            precision=card["precision"],
+            decoder=decoder,
+            workers=config.http.workers,
+            image_input=image_input,
+        )
 
     def tokenize(self, texts: list[str]) -> np.ndarray:
         return self.model.tokenize(texts)
@@ -101,13 +118,18 @@ class FrontRuntime:
         inference, which needs the cores itself."""
         if requested:
             return requested
-        on_cpu = all(d == "cpu" for d in self.devices)
+        on_cpu = all(is_cpu(d) for d in self.devices)
         return 1 if on_cpu else max(1, resolve_workers(0) // self.workers)
+
+
+def _rgb(values: list[float]) -> tuple[float, float, float]:
+    r, g, b = values
+    return r, g, b
 
 
 @dataclass(eq=False)
 class _Pending:
-    future: asyncio.Future[Any]
+    future: asyncio.Future[Completed | None]  # None: admitted (`ok`)
     slots: list[int]
 
 
@@ -115,28 +137,33 @@ class EngineLink:
     """One connection to the engine, reconnecting after the engine restarts. Every `admit`
     and `run` gets one answer; a run's slots are free again only once it has come."""
 
-    def __init__(self, socket_path: str, config: ServerConfig, card: dict[str, Any]) -> None:
+    def __init__(self, socket_path: str, config: ServerConfig, card: ModelCard) -> None:
         self.socket_path = socket_path
-        self.status: dict[str, Any] = {
-            "towers": {}, "depth": {"image": 0, "text": 0}, "wait_s": 0.0, "memory": {},
-        }  # fmt: skip
+        self.status: Status = {
+            "towers": {},
+            "depth": {"image": 0, "text": 0},
+            "wait_s": 0.0,
+            "memory": {},
+        }
         served = served_config(config, card)
         self._slots = (slot_count(served, len(card["devices"])), slot_bytes(card))
         self._generation = 0
         self.arena = self._new_arena()
         self.connected = False
-        self._channel: wire.Channel | None = None
+        self._channel: wire.FrontChannel | None = None
         self._pending: dict[int, _Pending] = {}
         self._ids = 0
         self._task: asyncio.Task[None] | None = None
         self._first = asyncio.get_running_loop().create_future()
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> Status:
         """The engine's last pushed status; every worker dead while it is not connected."""
         if self.connected:
             return self.status
-        towers = {k: [[d, False, ENGINE_GONE] for d, _, _ in ws]
-                  for k, ws in self.status["towers"].items()}  # fmt: skip
+        towers: dict[TowerKind, list[WorkerRow]] = {
+            kind: [{"device": w["device"], "alive": False, "error": ENGINE_GONE} for w in rows]
+            for kind, rows in self.status["towers"].items()
+        }
         return {**self.status, "towers": towers}
 
     async def start(self, timeout_s: float) -> None:
@@ -160,7 +187,7 @@ class EngineLink:
         while True:
             try:
                 _, channel = await loop.create_unix_connection(
-                    lambda: wire.Channel(self._on_frame, self._lost), self.socket_path
+                    lambda: wire.FrontChannel(self._on_frame, self._lost), self.socket_path
                 )
             except OSError:
                 await asyncio.sleep(RECONNECT_S)
@@ -179,10 +206,16 @@ class EngineLink:
                 self.arena = fresh
             self._generation += 1
             self._channel = channel
-            channel.send({
-                "t": "hello", "pid": os.getpid(), "path": str(self.arena.path),
-                "count": self.arena.count, "slot_bytes": self.arena.slot_bytes,
-            })  # fmt: skip
+            arena = self.arena
+            channel.send(
+                {
+                    "t": "hello",
+                    "pid": os.getpid(),
+                    "path": str(arena.path),
+                    "count": arena.count,
+                    "slot_bytes": arena.slot_bytes,
+                }
+            )
             try:
                 await channel.closed
             finally:
@@ -199,32 +232,31 @@ class EngineLink:
             if not entry.future.done():
                 entry.future.set_exception(NotReady(ENGINE_GONE))
 
-    def _on_frame(self, msg: dict[str, Any]) -> None:
-        kind = msg.get("t")
-        if kind == "status":
+    def _on_frame(self, msg: ToFront) -> None:
+        if msg["t"] == "status":
             self.status = msg
             return
-        if kind == "card":
+        if msg["t"] == "card":
             self.status, self.connected = msg, True
             if not self._first.done():
                 self._first.set_result(None)
             return
-        entry = self._pending.pop(msg.get("id", -1), None)
+        entry = self._pending.pop(msg["id"], None)
         if entry is None:
             return
-        if kind == "ok" and entry.future.cancelled():  # admitted for a request gone since
+        if msg["t"] == "ok" and entry.future.cancelled():  # admitted for a request gone since
             self.send({"t": "release", "ids": [msg["id"]]})
-        elif kind == "done" and not entry.future.done():
-            dim = int(msg["dim"])
+        elif msg["t"] == "done" and not entry.future.done():
+            dim = msg["dim"]
             rows = np.stack([self.arena.view(s, "<f4", (dim,)) for s in entry.slots])
             entry.future.set_result(Completed(rows, msg["queue_s"], msg["compute_s"]))
-        elif kind == "error" and not entry.future.done():
+        elif msg["t"] == "error" and not entry.future.done():
             entry.future.set_exception(wire.decode_error(msg["error"]))
         elif not entry.future.done():
             entry.future.set_result(None)
         self.arena.give_back(entry.slots)  # the engine answered: it is done with them
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: ToEngine) -> None:
         if self._channel is not None:
             self._channel.send(message)
 
@@ -232,7 +264,7 @@ class EngineLink:
         self._ids += 1
         return self._ids
 
-    def expect(self, rid: int, slots: list[int] | None = None) -> asyncio.Future[Any]:
+    def expect(self, rid: int, slots: list[int] | None = None) -> asyncio.Future[Completed | None]:
         """Register for the one answer to `rid`; the slots are given back when it comes."""
         if not self.connected:
             if slots:
@@ -263,7 +295,9 @@ class RemoteTicket:
 
 
 class RemoteTower:
-    def __init__(self, link: EngineLink, kind: str) -> None:
+    """One of the engine's towers, as this front end's pipeline and probes see it."""
+
+    def __init__(self, link: EngineLink, kind: TowerKind) -> None:
         self.link = link
         self.kind = kind
 
@@ -278,13 +312,13 @@ class RemoteTower:
         return any(w.alive for w in self.workers)
 
     def depth(self) -> int:
-        return int(self.link.status["depth"].get(self.kind, 0))
+        return self.link.status["depth"].get(self.kind, 0)
 
     async def reserve(self, n: int, deadline: float) -> RemoteTicket:
         rid = self.link.next_id()
         future = self.link.expect(rid)
-        self.link.send({"t": "admit", "id": rid, "tower": self.kind, "n": n,
-                        "wait_s": deadline - time.perf_counter()})  # fmt: skip
+        wait_s = deadline - time.perf_counter()
+        self.link.send({"t": "admit", "id": rid, "tower": self.kind, "n": n, "wait_s": wait_s})
         try:
             await future
         except asyncio.CancelledError:
@@ -296,9 +330,13 @@ class RemoteTower:
         return RemoteTicket(self.link, rid)
 
     async def run(
-        self, ticket: RemoteTicket, arrays: Sequence[np.ndarray], *, normalize: bool,
+        self,
+        ticket: RemoteTicket,
+        arrays: Sequence[np.ndarray],
+        *,
+        normalize: bool,
         request_id: str,
-    ) -> Completed:  # fmt: skip
+    ) -> Completed:
         first = arrays[0]
         if any(a.dtype != first.dtype for a in arrays):
             raise ValueError("a request's items must share one dtype")
@@ -309,14 +347,29 @@ class RemoteTower:
         rid = ticket.ids[0]
         future = self.link.expect(rid, slots)
         ticket.settled = True  # the engine releases the admission as the items start
-        self.link.send({
-            "t": "run", "id": rid, "ids": ticket.ids, "tower": self.kind, "slots": slots,
-            "dtype": first.dtype.str, "shapes": shapes, "normalize": normalize,
-            "rid": request_id,
-        })  # fmt: skip
+        self.link.send(
+            {
+                "t": "run",
+                "id": rid,
+                "ids": ticket.ids,
+                "tower": self.kind,
+                "slots": slots,
+                "dtype": first.dtype.str,
+                "shapes": shapes,
+                "normalize": normalize,
+                "rid": request_id,
+            }
+        )
         try:
-            completed: Completed = await future
+            completed = await future
         except asyncio.CancelledError:
             self.link.send({"t": "cancel", "id": rid})  # slots free once it answers
             raise
+        assert completed is not None  # a run is answered by `done` (or `error`), never `ok`
         return completed
+
+
+if TYPE_CHECKING:
+
+    def _is_a_tower(tower: RemoteTower) -> Tower[RemoteTicket]:
+        return tower  # mypy checks that RemoteTower satisfies the pipeline's Tower protocol

@@ -12,14 +12,24 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
-from clipserve.batching import Batcher, Ticket
+from clipserve.batching import Batcher, Ticket, TowerKind
 from clipserve.config import ServerConfig
 from clipserve.engine import wire
+from clipserve.engine.messages import (
+    AdmitFrame,
+    DoneFrame,
+    EngineReady,
+    ModelCard,
+    RunFrame,
+    StatusFrame,
+    ToEngine,
+    ToFront,
+)
 from clipserve.engine.slots import SlotArena
 from clipserve.errors import ClipserveError, NotReady, StartupError
 from clipserve.inference.runtime import Runtime
@@ -30,7 +40,7 @@ log = logging.getLogger(__name__)
 STATUS_INTERVAL_S = 0.25
 
 
-def model_card(runtime: Runtime) -> dict[str, Any]:
+def model_card(runtime: Runtime) -> ModelCard:
     """What a front end needs to know of the model to parse, decode and tokenise for it."""
     model, spec = runtime.model, runtime.model.preprocess
     return {
@@ -48,7 +58,6 @@ def model_card(runtime: Runtime) -> dict[str, Any]:
         "backend": runtime.backend,
         "devices": runtime.devices,
         "precision": runtime.precision,
-        # As served (CUDA defaults resolved): front ends size their slots and /info by it.
         "batching": dataclasses.asdict(runtime.config.batching),
     }
 
@@ -57,15 +66,18 @@ def model_card(runtime: Runtime) -> dict[str, Any]:
 class FrontEnd:
     """One connected front end: its slots, the admissions it holds and the runs under way."""
 
-    channel: wire.Channel | None = None
+    channel: wire.EngineChannel | None = None
     arena: SlotArena | None = None
     pid: int = 0
     tickets: dict[int, Ticket] = field(default_factory=dict)
-    runs: dict[int, asyncio.Task[Any]] = field(default_factory=dict)
+    runs: dict[int, asyncio.Task[DoneFrame]] = field(default_factory=dict)
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: ToFront) -> None:
         if self.channel is not None:
             self.channel.send(message)
+
+    def error(self, rid: int, error: BaseException) -> None:
+        self.send({"t": "error", "id": rid, "error": wire.encode_error(error)})
 
 
 class EngineService:
@@ -77,15 +89,17 @@ class EngineService:
         self._none_connected.set()
         self.towers: Towers | None = None
 
-    def _batcher(self, tower: object) -> Batcher:
+    def _batcher(self, tower: TowerKind) -> Batcher:
         assert self.towers is not None
         if tower == "image":
             return self.towers.image
         if tower == "text":
             return self.towers.text
-        raise ValueError(f"unknown tower {tower!r}")
+        raise ValueError(f"unknown tower {tower!r}")  # a frame's value, not checked on arrival
 
-    async def serve(self, socket_path: Path, on_ready: Any, stop: asyncio.Event) -> None:
+    async def serve(
+        self, socket_path: Path, on_ready: Callable[[], object], stop: asyncio.Event
+    ) -> None:
         self.towers = Towers.build(self.runtime, self.metrics)
         self.towers.start()
         await asyncio.to_thread(socket_path.unlink, missing_ok=True)  # a dead engine's
@@ -93,10 +107,11 @@ class EngineService:
             self._connection, path=str(socket_path)
         )
         pusher = asyncio.create_task(self._push_status())
+        runtime = self.runtime
+        devices = ", ".join(runtime.devices)
         log.info(
-            "engine serving %s with %s on %s", self.runtime.model.identity, self.runtime.backend,
-            ", ".join(self.runtime.devices),
-        )  # fmt: skip
+            "engine serving %s with %s on %s", runtime.model.identity, runtime.backend, devices
+        )
         gc.freeze()  # as in the app: startup's objects out of the collector's sight
         on_ready()
         try:
@@ -124,14 +139,14 @@ class EngineService:
         while True:
             await asyncio.sleep(STATUS_INTERVAL_S)
             if self.front_ends:
-                status = {"t": "status", **self.towers.status()}
+                status: StatusFrame = {"t": "status", **self.towers.status()}
                 for front in self.front_ends:
                     front.send(status)
 
-    def _connection(self) -> wire.Channel:
+    def _connection(self) -> wire.EngineChannel:
         """A new front end's channel (the server's protocol factory)."""
         front = FrontEnd()
-        front.channel = wire.Channel(
+        front.channel = wire.EngineChannel(
             lambda message: self._dispatch(front, message), lambda: self._drop(front)
         )
         self.front_ends.add(front)
@@ -158,66 +173,78 @@ class EngineService:
             front.arena.close()
             front.arena = None
 
-    def _dispatch(self, front: FrontEnd, msg: dict[str, Any]) -> None:
-        kind, rid = msg.get("t"), int(msg.get("id", 0))
-        if kind == "admit":
-            try:
-                deadline = time.perf_counter() + float(msg["wait_s"])
-                front.tickets[rid] = self._batcher(msg["tower"]).admit(int(msg["n"]), deadline)
-            except ClipserveError as e:
-                front.send({"t": "error", "id": rid, "error": wire.encode_error(e)})
-            else:
-                front.send({"t": "ok", "id": rid})
-        elif kind == "run":
-            tickets = [front.tickets.pop(int(i), None) for i in msg["ids"]]
-            ticket = tickets[0]
-            for other in tickets[1:]:
-                if ticket is not None and other is not None:
-                    ticket.absorb(other)
-            if ticket is None or front.arena is None or None in tickets:
-                for held in tickets:
-                    if held is not None:
-                        held.release_all()
-                error = NotReady("engine has no admission for this request; retry")
-                front.send({"t": "error", "id": rid, "error": wire.encode_error(error)})
-                return
-            task = asyncio.create_task(self._run(front.arena, ticket, msg))
-            task.add_done_callback(functools.partial(self._ran, front, ticket, msg))
-            front.runs[rid] = task
-        elif kind == "release":
-            for held in (front.tickets.pop(int(i), None) for i in msg["ids"]):
+    def _dispatch(self, front: FrontEnd, msg: ToEngine) -> None:
+        if msg["t"] == "admit":
+            self._admit(front, msg)
+        elif msg["t"] == "run":
+            self._start_run(front, msg)
+        elif msg["t"] == "release":
+            for held in (front.tickets.pop(i, None) for i in msg["ids"]):
                 if held is not None:
                     held.release_all()
-        elif kind == "cancel":
-            running = front.runs.get(rid)
+        elif msg["t"] == "cancel":
+            running = front.runs.get(msg["id"])
             if running is not None:
                 running.cancel()
-        elif kind == "hello":
-            front.pid = int(msg["pid"])
+        elif msg["t"] == "hello":
+            front.pid = msg["pid"]
             front.arena = SlotArena(
-                Path(msg["path"]), int(msg["count"]), int(msg["slot_bytes"]), create=False
+                Path(msg["path"]), msg["count"], msg["slot_bytes"], create=False
             )
             assert self.towers is not None
             front.send({"t": "card", **model_card(self.runtime), **self.towers.status()})
-        else:
-            raise ValueError(f"unknown control frame {kind!r}")
+        else:  # a frame of a newer or older clipserve: the channel closes
+            raise ValueError(f"unknown control frame {msg.get('t')!r}")
 
-    async def _run(self, arena: SlotArena, ticket: Ticket, msg: dict[str, Any]) -> dict[str, Any]:
+    def _admit(self, front: FrontEnd, msg: AdmitFrame) -> None:
+        rid = msg["id"]
+        try:
+            deadline = time.perf_counter() + msg["wait_s"]
+            front.tickets[rid] = self._batcher(msg["tower"]).admit(msg["n"], deadline)
+        except ClipserveError as e:
+            front.error(rid, e)
+        else:
+            front.send({"t": "ok", "id": rid})
+
+    def _start_run(self, front: FrontEnd, msg: RunFrame) -> None:
+        tickets = [front.tickets.pop(i, None) for i in msg["ids"]]
+        ticket = tickets[0]
+        for other in tickets[1:]:
+            if ticket is not None and other is not None:
+                ticket.absorb(other)
+        if ticket is None or front.arena is None or None in tickets:
+            for held in tickets:
+                if held is not None:
+                    held.release_all()
+            front.error(msg["id"], NotReady("engine has no admission for this request; retry"))
+            return
+        task = asyncio.create_task(self._run(front.arena, ticket, msg))
+        task.add_done_callback(functools.partial(self._ran, front, ticket, msg))
+        front.runs[msg["id"]] = task
+
+    async def _run(self, arena: SlotArena, ticket: Ticket, msg: RunFrame) -> DoneFrame:
         """The items from their slots through the batcher; the embeddings into the slots."""
         slots = msg["slots"]
-        arrays = [arena.view(s, msg["dtype"], tuple(shape))
-                  for s, shape in zip(slots, msg["shapes"], strict=True)]  # fmt: skip
+        arrays = [
+            arena.view(slot, msg["dtype"], tuple(shape))
+            for slot, shape in zip(slots, msg["shapes"], strict=True)
+        ]
         completed = await self._batcher(msg["tower"]).run(
-            ticket, arrays, normalize=bool(msg["normalize"]), request_id=str(msg["rid"])
+            ticket, arrays, normalize=msg["normalize"], request_id=msg["rid"]
         )
         rows = completed.embeddings
         for slot, row in zip(slots, rows, strict=True):
             arena.write(slot, row)
-        return {"t": "done", "id": msg["id"], "dim": int(rows.shape[1]),
-                "queue_s": completed.queue_s, "compute_s": completed.compute_s}  # fmt: skip
+        return {
+            "t": "done",
+            "id": msg["id"],
+            "dim": int(rows.shape[1]),
+            "queue_s": completed.queue_s,
+            "compute_s": completed.compute_s,
+        }
 
     def _ran(
-        self, front: FrontEnd, ticket: Ticket, msg: dict[str, Any], task: asyncio.Task[Any]
+        self, front: FrontEnd, ticket: Ticket, msg: RunFrame, task: asyncio.Task[DoneFrame]
     ) -> None:
         """A run's one answer, whichever way its task ended: a done callback, because a task
         cancelled before its first step (a cancel read with its run) never runs its body."""
@@ -231,18 +258,21 @@ class EngineService:
             front.send(task.result())  # after the last write into its slots: reusable now
             return
         if not isinstance(error, ClipserveError | asyncio.CancelledError):
-            log.error("run %s from front end %d failed", msg.get("rid"), front.pid,
-                      exc_info=error)  # fmt: skip
-        front.send({"t": "error", "id": rid, "error": wire.encode_error(error)})
+            log.error("run %s from front end %d failed", msg["rid"], front.pid, exc_info=error)
+        front.error(rid, error)
 
 
-def _loop_factory() -> Any:
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop where installed (uvicorn[standard] brings it), as the front ends run."""
     try:
         import uvloop
     except ImportError:
         return None
     return uvloop.new_event_loop
+
+
+def _tell(ready: Connection, message: EngineReady) -> None:
+    ready.send(message)
 
 
 def engine_main(
@@ -258,7 +288,7 @@ def engine_main(
     try:
         runtime = build_runtime(config)
     except StartupError as e:
-        ready.send(("error", str(e)))
+        _tell(ready, ("error", str(e)))
         os._exit(2)
     try:
         card = model_card(runtime)
@@ -274,7 +304,7 @@ def engine_main(
                     draining.add(asyncio.create_task(service.drain(stop, drain_s)))
 
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
-            await service.serve(Path(socket_path), lambda: ready.send(("ready", card)), stop)
+            await service.serve(Path(socket_path), lambda: _tell(ready, ("ready", card)), stop)
 
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(main())

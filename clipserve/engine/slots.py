@@ -80,8 +80,8 @@ class SlotArena:
         """n free slots. Pages are allocated before a slot is first written: a full /dev/shm
         (Docker's default is 64 MiB) is then a 503, not a SIGBUS that kills the process."""
         if n > len(self._free):
-            raise Overloaded(f"all {self.count} shared-memory slots of this front end are in "
-                             "use; retry later")  # fmt: skip
+            in_use = f"all {self.count} shared-memory slots of this front end are in use"
+            raise Overloaded(f"{in_use}; retry later")
         slots = [heapq.heappop(self._free) for _ in range(n)]
         top = max(slots) + 1
         if top > self._backed:

@@ -22,10 +22,12 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
-from typing import Any
+from types import FrameType
 
 from clipserve.config import ServerConfig
+from clipserve.engine.messages import EngineReady, ModelCard
 from clipserve.engine.slots import remove_segments
 from clipserve.errors import StartupError
 
@@ -54,7 +56,7 @@ class Supervisor:
         self.pid = os.getpid()
         self.tmp = Path(tempfile.mkdtemp(prefix="clipserve-"))
         self.socket_path = str(self.tmp / "engine.sock")
-        self.card: dict[str, Any] = {}
+        self.card: ModelCard | None = None  # the engine's, once it is ready
         self.engine: Child | None = None
         self.engine_ready: Connection | None = None
         self.front: list[Child | None] = [None] * config.http.workers
@@ -71,9 +73,15 @@ class Supervisor:
             together = self.ctx.Barrier(len(self.front))
             for index in range(len(self.front)):
                 self._start_front(index, together)
-            log.info("serving on http://%s:%d with %d front ends and one engine (pid %d)",
-                     self.config.http.host, self.config.http.port, len(self.front),
-                     self.engine.process.pid if self.engine else 0)  # fmt: skip
+            http = self.config.http
+            engine_pid = self.engine.process.pid if self.engine else 0
+            log.info(
+                "serving on http://%s:%d with %d front ends and one engine (pid %d)",
+                http.host,
+                http.port,
+                len(self.front),
+                engine_pid,
+            )
             self._monitor()
             return 0
         finally:
@@ -81,10 +89,10 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if not self.stopping:
-            log.info("%s: draining the front ends, then the engine",
-                     signal.Signals(signum).name)  # fmt: skip
+            name = signal.Signals(signum).name
+            log.info("%s: draining the front ends, then the engine", name)
         self.stopping = True
 
     def _metrics_dir(self) -> None:
@@ -117,10 +125,8 @@ class Supervisor:
         from clipserve.engine.service import engine_main
 
         receive, send = self.ctx.Pipe(duplex=False)
-        process = self.ctx.Process(
-            target=engine_main, name="clipserve-engine",
-            args=(self.config, self.socket_path, send, self.pid),
-        )  # fmt: skip
+        args = (self.config, self.socket_path, send, self.pid)
+        process = self.ctx.Process(target=engine_main, name="clipserve-engine", args=args)
         process.start()
         send.close()
         failures = self.engine.failures if self.engine else 0
@@ -137,24 +143,24 @@ class Supervisor:
                 self.engine.process.kill()  # a hung engine: the next restart starts afresh
                 raise StartupError("the engine process did not become ready")
         try:
-            kind, payload = self.engine_ready.recv()
+            message: EngineReady = self.engine_ready.recv()
         except EOFError:  # it died before a word: an unexpected error, its traceback logged
             raise StartupError("the engine process exited while starting (see the log)") from None
-        if kind == "error":
-            raise StartupError(payload)
-        self.card = payload
+        if message[0] == "error":
+            raise StartupError(message[1])
+        self.card = message[1]
 
-    def _start_front(self, index: int, together: Any = None) -> None:
+    def _start_front(self, index: int, together: Barrier | None = None) -> None:
         from clipserve.engine.frontend import frontend_main
 
-        process = self.ctx.Process(
-            target=frontend_main, name=f"clipserve-frontend-{index}",
-            args=(self.config, self.socket_path, self.card, index, self.pid, together),
-        )  # fmt: skip
+        assert self.card is not None  # front ends start once the engine is ready
+        args = (self.config, self.socket_path, self.card, index, self.pid, together)
+        name = f"clipserve-frontend-{index}"
+        process = self.ctx.Process(target=frontend_main, name=name, args=args)
         process.start()
         old = self.front[index]
-        self.front[index] = Child(f"front end {index}", process,
-                                  failures=old.failures if old else 0)  # fmt: skip
+        failures = old.failures if old else 0
+        self.front[index] = Child(f"front end {index}", process, failures=failures)
 
     def _monitor(self) -> None:
         while not self.stopping:
@@ -181,9 +187,13 @@ class Supervisor:
             quick = now - child.started < 10.0
             child.failures = child.failures + 1 if quick else 1
             child.restart_at = now + (child.backoff_s() if quick else 0.0)
-            log.error("%s (pid %s) exited with %s; restarting it in %.1f s", child.name,
-                      child.process.pid, child.process.exitcode,
-                      child.restart_at - now)  # fmt: skip
+            log.error(
+                "%s (pid %s) exited with %s; restarting it in %.1f s",
+                child.name,
+                child.process.pid,
+                child.process.exitcode,
+                child.restart_at - now,
+            )
             if child.name != "engine" and child.process.pid is not None:
                 remove_segments(self.pid, child.process.pid)
         return True
@@ -195,8 +205,8 @@ class Supervisor:
         except StartupError as e:
             log.error("the engine did not restart: %s", e)
             return
-        log.info("engine restarted (pid %s); front ends reconnect",
-                 self.engine.process.pid if self.engine else None)  # fmt: skip
+        pid = self.engine.process.pid if self.engine else None
+        log.info("engine restarted (pid %s); front ends reconnect", pid)
 
     def _shutdown(self) -> None:
         """Front ends first (they drain their requests through the engine), then the engine."""

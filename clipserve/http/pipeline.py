@@ -1,43 +1,39 @@
-"""One request's walk from body to embeddings: the only path from HTTP to the batchers.
+"""One request's walk from body to answer: the only path from HTTP to the towers.
 
-Handlers (`routes.py`, `openai_api.py`, `kserve_api.py`) turn their wire format into work with
-the codecs in `protocol/` and call `embed_images` / `embed_texts`. Everything between happens
-here, once: the deadline, body limits, admission, decoding in the pool, the batcher, client
-disconnects, stage timing and the per-protocol metrics.
+Every front door's inference route runs `Pipeline.serve` with its own `Call` (http/work.py):
+deadline -> read the body -> admit one place -> parse in the pool -> grow the admission to the
+parsed size -> decode -> batch -> encode -> respond. Admission comes before any CPU work, parsing
+included, so the pool's backlog is bounded by the queue for every protocol alike. Stage timing,
+the per-protocol metrics and client disconnects are handled here, once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive
 
-from clipserve.batching import Completed
+from clipserve.batching.tower import Completed, TicketT, Tower, TowerKind
 from clipserve.config import ServerConfig
-from clipserve.errors import (
-    ClipserveError,
-    InvalidHeader,
-    Overloaded,
-    PayloadTooLarge,
-    RequestTimeout,
-    with_item_index,
-)
+from clipserve.errors import ClipserveError, PayloadTooLarge, RequestTimeout, with_item_index
+from clipserve.http.request import BodyBudget, RequestContext, request_timeout, unless_disconnected
 from clipserve.http.timing import StageTimer
+from clipserve.http.work import Call, Embedded, Encoded, ImageWork, Parsed, TextWork, Work
 from clipserve.inference.model import LoadedModel
 from clipserve.inference.preprocess import ImageDecoder
 from clipserve.metrics import Metrics
 
 T = TypeVar("T")
-DEADLINE_HEADER = "x-request-timeout-ms"
+P = ParamSpec("P")
 
 
 class Serving(Protocol):
@@ -61,179 +57,61 @@ class Serving(Protocol):
     def decode_workers(self, requested: int) -> int: ...
 
 
-class WorkerView(Protocol):
-    @property
-    def device(self) -> str: ...
-
-    @property
-    def kind(self) -> str: ...
-
-    @property
-    def alive(self) -> bool: ...
-
-    @property
-    def error(self) -> str | None: ...
-
-
-class Ticket(Protocol):
-    def release_all(self) -> None: ...
-
-    def absorb(self, other: Any) -> None: ...
-
-
-class Tower(Protocol):
-    """One tower's batching: a Batcher here, or the engine's through a RemoteTower."""
-
-    @property
-    def alive(self) -> bool: ...
-
-    @property
-    def workers(self) -> Sequence[WorkerView]: ...
-
-    def depth(self) -> int: ...
-
-    async def reserve(self, n: int, deadline: float) -> Any: ...
-
-    async def run(
-        self, ticket: Any, arrays: Sequence[np.ndarray], *, normalize: bool, request_id: str
-    ) -> Completed: ...
-
-
 @dataclass
-class Admitted:
+class Admitted(Generic[TicketT]):
     """A request's places in one tower's queue (see `Pipeline.admitted`)."""
 
-    ticket: Ticket
+    ticket: TicketT
     n: int
 
 
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
+def pipeline_of(request: Request) -> Pipeline[Any]:
+    """The pipeline the app's lifespan built, as every route reaches it."""
+    pipeline: Pipeline[Any] = request.state.pipeline
+    return pipeline
 
 
-@dataclass
-class ImageWork:
-    """A request's images: encoded (decoded in the pool) or an already validated tensor."""
-
-    protocol: str  # the metrics label: jpeg, multipart, raw-tensor, openai-image, ...
-    images: Sequence[bytes] = ()
-    tensor: np.ndarray | None = None
-    single: bool = False  # one image in, one embedding out (not a list)
-    positions: Sequence[int] = ()  # each image's index in a request that mixes in texts (errors)
-
-    @property
-    def count(self) -> int:
-        return len(self.tensor) if self.tensor is not None else len(self.images)
-
-
-@dataclass
-class TextWork:
-    protocol: str
-    texts: list[str]
-    tokens: np.ndarray | None = None  # already tokenised (e.g. to count usage): not done twice
-
-
-@dataclass
-class RequestContext:
-    """What the pipeline knows about one request while it runs."""
-
-    request_id: str
-    timer: StageTimer
-    deadline: float  # time.perf_counter() by which the answer must be ready
-    receive: Receive  # watched for a disconnect while the request waits for its batch
-    body_bytes: int = 0
-    reserved_bytes: int = 0  # share of --max-body-bytes-in-flight held until the request ends
-
-
-class BodyBudget:
-    """Bytes of request bodies held in memory across all requests; past it, 503 overloaded."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
-
-    def reserve(self, n: int) -> None:
-        if self.used + n > self.capacity:
-            raise Overloaded(
-                f"request bodies in memory would exceed {self.capacity} bytes "
-                "(--max-body-bytes-in-flight); retry later"
-            )
-        self.used += n
-
-    def release(self, n: int) -> None:
-        self.used -= n
-
-
-async def _until_disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it if the client goes away first (its items leave the queue)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnected(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        elif not task.cancelled():
-            task.exception()  # retrieved, even when our own cancellation wins the race
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
-
-
-def request_timeout(headers: Mapping[str, str], server_timeout_s: float) -> float:
-    """The server's timeout, shortened by the client's `X-Request-Timeout-Ms` if it sent one."""
-    raw = headers.get(DEADLINE_HEADER)
-    if raw is None:
-        return server_timeout_s
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = float("nan")
-    if not ms > 0 or ms == float("inf"):
-        raise InvalidHeader(f"X-Request-Timeout-Ms: expected a positive number, got {raw[:40]!r}")
-    return min(ms / 1000, server_timeout_s)
-
-
-def of(request: Request) -> Pipeline:
-    """The pipeline the app's lifespan built, as every handler reaches it."""
-    return request.state.server  # type: ignore[no-any-return]
-
-
-class Pipeline:
-    """Built by the app's lifespan; reached by handlers through `pipeline.of(request)`."""
+class Pipeline(Generic[TicketT]):
+    """Built by the app's lifespan over the two towers, which hand out tickets of one type."""
 
     def __init__(
         self,
         config: ServerConfig,
         runtime: Serving,
-        batcher: Tower,
-        text_batcher: Tower,
+        image: Tower[TicketT],
+        text: Tower[TicketT],
         metrics: Metrics,
         decode_pool: ThreadPoolExecutor,
     ) -> None:
         self.config = config
         self.runtime = runtime
-        self.batcher = batcher
-        self.text_batcher = text_batcher
+        self.towers: dict[TowerKind, Tower[TicketT]] = {"image": image, "text": text}
         self.metrics = metrics
         self.decode_pool = decode_pool
         self.body_budget = BodyBudget(config.limits.max_body_bytes_in_flight)
+
+    async def serve(self, request: Request, call: Call[Parsed]) -> Response:
+        """Every inference route: the same steps in the same order for every front door."""
+        async with self.request(request) as ctx:
+            body = await self.read_body(request, ctx)
+            async with self.admitted(self.towers[call.tower], ctx) as held:
+                with ctx.timer.measure("decode"):  # parsing the body counts as decoding
+                    if call.inline:
+                        work = call.parse(body)
+                    else:
+                        work = await self.in_pool(call.parse, body)
+                done = await self.embed(work, ctx, call.tower, held)
+        with ctx.timer.measure("encode"):
+            encoded = call.encode(work, done)
+        return self.respond(ctx, work.protocol, encoded)
 
     @asynccontextmanager
     async def request(self, request: Request) -> AsyncIterator[RequestContext]:
         """The request's deadline (receiving the body included) and its stage timer."""
         timeout_s = request_timeout(request.headers, self.config.limits.request_timeout_s)
         timer = request.state.timer = StageTimer()  # error responses report the stages done too
-        ctx = RequestContext(
-            request.state.request_id, timer, time.perf_counter() + timeout_s, request.receive
-        )
+        deadline = time.perf_counter() + timeout_s
+        ctx = RequestContext(request.state.request_id, timer, deadline, request.receive)
         try:
             async with asyncio.timeout(timeout_s):
                 yield ctx
@@ -261,26 +139,23 @@ class Pipeline:
                 size += len(chunk)
                 if size > limit:
                     raise PayloadTooLarge(f"body exceeds {limit} bytes (--max-body-bytes)")
-                self._reserve(ctx, len(chunk))
+                self.body_budget.reserve(len(chunk))
+                ctx.reserved_bytes += len(chunk)
                 chunks.append(chunk)
         ctx.body_bytes = size
         return b"".join(chunks)
 
-    def _reserve(self, ctx: RequestContext, n: int) -> None:
-        self.body_budget.reserve(n)
-        ctx.reserved_bytes += n
-
-    async def in_pool(self, fn: Callable[..., T], *args: Any) -> T:
+    async def in_pool(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """CPU work (parsing, decoding, tokenising) goes to the pool, never onto the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.decode_pool, fn, *args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.decode_pool, functools.partial(fn, *args, **kwargs))
 
     @asynccontextmanager
     async def admitted(
-        self, tower: Tower, ctx: RequestContext, n: int = 1
-    ) -> AsyncIterator[Admitted]:
+        self, tower: Tower[TicketT], ctx: RequestContext, n: int = 1
+    ) -> AsyncIterator[Admitted[TicketT]]:
         """Places in `tower`'s queue for the request, held until the block ends: the one owner
-        of the admission (items give theirs back as they start computing). Taken before any
-        CPU work, parsing included, so the backlog in the pool is bounded by the queue too."""
+        of the admission (items give theirs back as they start computing)."""
         held = Admitted(await tower.reserve(n, ctx.deadline), n)
         try:
             yield held
@@ -289,8 +164,8 @@ class Pipeline:
 
     @asynccontextmanager
     async def _admitted_for(
-        self, tower: Tower, ctx: RequestContext, n: int, held: Admitted | None
-    ) -> AsyncIterator[Any]:
+        self, tower: Tower[TicketT], ctx: RequestContext, n: int, held: Admitted[TicketT] | None
+    ) -> AsyncIterator[TicketT]:
         if held is None:
             async with self.admitted(tower, ctx, n) as own:
                 yield own.ticket
@@ -300,66 +175,86 @@ class Pipeline:
             held.n = n
         yield held.ticket
 
+    async def embed(
+        self, work: Work[Any], ctx: RequestContext, tower: TowerKind, held: Admitted[TicketT]
+    ) -> Embedded:
+        """Both towers' parts of `work`, at once; the place held in `tower` serves its part,
+        or is given back now if the request has none there."""
+        if work.count(tower) == 0:
+            held.ticket.release_all()
+        image_held = held if tower == "image" else None
+        text_held = held if tower == "text" else None
+        jobs: list[Awaitable[Completed]] = []
+        if work.texts is not None:
+            jobs.append(self.embed_texts(work.texts, ctx, work.normalize, text_held))
+        if work.images is not None:
+            jobs.append(self.embed_images(work.images, ctx, work.normalize, image_held))
+        results = iter(await _all(jobs))
+        texts = next(results) if work.texts is not None else None
+        images = next(results) if work.images is not None else None
+        return Embedded(images=images, texts=texts)
+
     async def embed_images(
         self,
         work: ImageWork,
         ctx: RequestContext,
-        *,
         normalize: bool = True,
-        admitted: Admitted | None = None,
+        admitted: Admitted[TicketT] | None = None,
     ) -> Completed:
         """Admit (or grow `admitted` to the request's size), decode in the pool, batch, wait:
         the image tower's embeddings, in order."""
-        async with self._admitted_for(self.batcher, ctx, work.count, admitted) as ticket:
+        tower = self.towers["image"]
+        async with self._admitted_for(tower, ctx, work.count, admitted) as ticket:
             with ctx.timer.measure("decode"):
                 arrays = await self._images(work)
-            return await self._run(self.batcher, ticket, arrays, ctx, normalize)
+            return await self._run(tower, ticket, arrays, ctx, normalize)
 
     async def embed_texts(
         self,
         work: TextWork,
         ctx: RequestContext,
-        *,
         normalize: bool = True,
-        admitted: Admitted | None = None,
+        admitted: Admitted[TicketT] | None = None,
     ) -> Completed:
-        """Admit, tokenise in the pool, batch, wait: the text tower's embeddings, in order."""
-        async with self._admitted_for(self.text_batcher, ctx, len(work.texts), admitted) as t:
-            with ctx.timer.measure("decode"):
-                tokens = work.tokens
-                if tokens is None:
+        """Admit, tokenise in the pool (unless the door did), batch, wait: the text tower's
+        embeddings, in order."""
+        tower = self.towers["text"]
+        async with self._admitted_for(tower, ctx, len(work.texts), admitted) as ticket:
+            tokens = work.tokens
+            if tokens is None:
+                with ctx.timer.measure("decode"):
                     tokens = await self.in_pool(self.runtime.tokenize, work.texts)
-            return await self._run(self.text_batcher, t, list(tokens), ctx, normalize)
+            return await self._run(tower, ticket, list(tokens), ctx, normalize)
 
-    async def _images(self, work: ImageWork) -> Sequence[np.ndarray]:
+    async def _images(self, work: ImageWork) -> list[np.ndarray]:
         if work.tensor is not None:
             return list(work.tensor)  # zero-copy rows; stacked on the device thread
         # The decoder, or with --decode gpu the header checks (JPEG bytes pass through).
         prepare = self.runtime.image_input or self.runtime.decoder
         jobs = [self.in_pool(prepare, data) for data in work.images]
         results = await asyncio.gather(*jobs, return_exceptions=True)
+        arrays: list[np.ndarray] = []
         for index, result in enumerate(results):
             if isinstance(result, ClipserveError):
                 at = work.positions[index] if work.positions else index
                 raise result if work.single else with_item_index(result, at)
             if isinstance(result, BaseException):
                 raise result
-        return results  # type: ignore[return-value]
+            arrays.append(result)
+        return arrays
 
     async def _run(
         self,
-        batcher: Tower,
-        ticket: Ticket,
+        tower: Tower[TicketT],
+        ticket: TicketT,
         arrays: Sequence[np.ndarray],
         ctx: RequestContext,
         normalize: bool,
     ) -> Completed:
         t0 = time.perf_counter()
+        run = tower.run(ticket, arrays, normalize=normalize, request_id=ctx.request_id)
         try:
-            completed = await unless_disconnected(
-                ctx.receive,
-                batcher.run(ticket, arrays, normalize=normalize, request_id=ctx.request_id),
-            )  # the deadline rides on the ticket
+            completed = await unless_disconnected(ctx.receive, run)  # the deadline: the ticket's
         except BaseException:
             ctx.timer.add("queue", time.perf_counter() - t0)  # a failed request shows its wait
             raise
@@ -367,19 +262,29 @@ class Pipeline:
         ctx.timer.add("compute", completed.compute_s)
         return completed
 
-    def respond(
-        self,
-        ctx: RequestContext,
-        protocol: str,
-        content: bytes,
-        media_type: str,
-        headers: dict[str, str] | None = None,
-    ) -> Response:
+    def respond(self, ctx: RequestContext, protocol: str, encoded: Encoded) -> Response:
         """The 200 answer, with its stages in Server-Timing and in the per-protocol metrics."""
         for stage, seconds in ctx.timer.stages.items():
             self.metrics.stage_duration.labels(stage, protocol).observe(seconds)
         self.metrics.request_bytes.labels(protocol).inc(ctx.body_bytes)
-        self.metrics.response_bytes.labels(protocol).inc(len(content))
-        headers = dict(headers or {})
-        headers["Server-Timing"] = ctx.timer.header()
-        return Response(content, media_type=media_type, headers=headers)
+        self.metrics.response_bytes.labels(protocol).inc(len(encoded.content))
+        headers = {**encoded.headers, "Server-Timing": ctx.timer.header()}
+        return Response(encoded.content, media_type=encoded.media_type, headers=headers)
+
+
+async def _all(jobs: Sequence[Awaitable[T]]) -> list[T]:
+    """Await every job; the first failure cancels the others (their items leave the queue)."""
+    if len(jobs) == 1:
+        return [await jobs[0]]
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for task in tasks:  # the failure itself, not a sibling's cancellation
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            raise error
+    return [task.result() for task in tasks]

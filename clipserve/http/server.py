@@ -196,8 +196,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         view = memoryview(data)
         super().data_received(view[:room])  # type: ignore[arg-type]
         if self._header_bytes:  # on_headers_complete resets the count: they did not end
-            self._refuse(431, "headers_too_large",
-                         f"request headers exceed {limit} bytes (--max-header-bytes)")  # fmt: skip
+            message = f"request headers exceed {limit} bytes (--max-header-bytes)"
+            self._refuse(431, "headers_too_large", message)
             return False
         if self._linger_bytes < 0:
             super().data_received(view[room:])  # type: ignore[arg-type]
@@ -231,8 +231,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def _error(
         self, status: int, code: str, message: str, extra: list[tuple[bytes, bytes]] | None = None
     ) -> bytes:
-        return error_bytes(status, code, message, [*self.server_state.default_headers,
-                                                   *(extra or [])])  # fmt: skip
+        headers = [*self.server_state.default_headers, *(extra or [])]
+        return error_bytes(status, code, message, headers)
 
     def _refuse(self, status: int, code: str, message: str) -> None:
         if self._linger_bytes >= 0 or self.transport.is_closing():
@@ -313,10 +313,9 @@ def ensure_fd_limit(max_connections: int) -> None:
     if new > soft:
         resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
     if new < want:
-        log.warning(
-            "open-file limit %d leaves room for %d connections, below --max-connections %d",
-            new, new - FD_HEADROOM, max_connections,
-        )  # fmt: skip
+        room = new - FD_HEADROOM
+        message = "open-file limit %d leaves room for %d connections, below --max-connections %d"
+        log.warning(message, new, room, max_connections)
 
 
 class DrainingServer(uvicorn.Server):

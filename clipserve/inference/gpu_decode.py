@@ -5,8 +5,8 @@
 PCIe. The transform is open_clip's eval transform, as `preprocess.ImageDecoder`'s exact path
 runs it (shorter side resized with antialiased bicubic, centre crop, RGB). torch's antialiased
 bicubic uses Pillow's kernel (a = -0.5) and the two passes round to 8 bits as Pillow's do, so
-the crops match open_clip's within a level (tests/test_gpu_decode.py); JPEG draft mode has no
-nvJPEG counterpart and is not used.
+the crops match open_clip's within a level (tests/inference/test_gpu_decode.py); JPEG draft mode
+has no nvJPEG counterpart and is not used.
 
 One image never fails its batch:
 - the header checks are `ImageDecoder.open`'s (container walk, format, pixel and aspect limits),
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from PIL import ExifTags
 
-from clipserve.backends.device import is_fatal_device_error
+from clipserve.backends.device import CPU, is_fatal_device_error
 from clipserve.errors import ClipserveError, ExecutorFatal
 from clipserve.inference.preprocess import (
     MAX_RESIZED_PIXELS,
@@ -279,13 +279,9 @@ class DeviceDecoder:
             assert isinstance(header, Header)
             upright = _orient(image, header.orientation)
             groups.setdefault((upright.shape[-2], upright.shape[-1]), []).append((i, upright))
-        th, tw = self.spec.size
         for (height, width), members in groups.items():
             new_w, new_h = resized_size(width, height, self.spec)
-            left, top, right, bottom = (
-                center_box(new_w, new_h, self.spec) if (new_h, new_w) != (th, tw) else
-                (0, 0, tw, th)
-            )  # fmt: skip
+            left, top, right, bottom = center_box(new_w, new_h, self.spec)
             per_call = max(1, self.max_resize_pixels // (height * width))
             for start in range(0, len(members), per_call):
                 part = members[start : start + per_call]
@@ -328,7 +324,7 @@ class EncodedAtAdmission:
     def __init__(self, host: ImageDecoder, max_bytes: int | None = None) -> None:
         self.host = host
         self.max_bytes = max_bytes  # a front end's slot: longer files are decoded here
-        self._checker = DeviceDecoder(host, "cpu")
+        self._checker = DeviceDecoder(host, CPU)
 
     def __call__(self, data: bytes) -> np.ndarray:
         header = self._checker.check(data)  # the CPU path's ClipserveError, if any

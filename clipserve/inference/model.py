@@ -46,7 +46,8 @@ class LoadedModel:
                 cache.clear()
                 cache.update(specials)
             tokens = self.tokenizer(texts)
-        return tokens.numpy().astype(np.int64, copy=False)  # type: ignore[no-any-return]
+        ids: np.ndarray = tokens.numpy().astype(np.int64, copy=False)
+        return ids
 
     @property
     def identity(self) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,8 +61,8 @@ class PreprocessSpec:
         hw = (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
         spec = cls(
             size=hw,
-            mean=tuple(float(v) for v in cfg["mean"]),  # type: ignore[arg-type]
-            std=tuple(float(v) for v in cfg["std"]),  # type: ignore[arg-type]
+            mean=_per_channel(cfg["mean"]),
+            std=_per_channel(cfg["std"]),
             interpolation=str(cfg.get("interpolation", "bicubic")),
             resize_mode=str(cfg.get("resize_mode", "shortest")),
         )
@@ -73,6 +73,12 @@ class PreprocessSpec:
         if spec.resize_mode not in ("shortest", "squash"):
             raise StartupError(f"model preprocess: unsupported resize_mode {spec.resize_mode}")
         return spec
+
+
+def _per_channel(values: Iterable[float]) -> tuple[float, float, float]:
+    """An RGB mean or std from open_clip's config."""
+    r, g, b = (float(v) for v in values)
+    return r, g, b
 
 
 def raster_bytes(img: Image.Image) -> int:

@@ -21,12 +21,18 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures.thread import BrokenThreadPool
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from clipserve.backends.base import Executor, ExecutorSpec, warmup_sizes
-from clipserve.backends.device import select_device, selected_device
+from clipserve.backends.device import (
+    is_cpu,
+    is_cuda,
+    select_device,
+    selected_device,
+    torch_device_name,
+)
 from clipserve.backends.registry import (
     backend_candidates,
     create_executor,
@@ -37,6 +43,9 @@ from clipserve.config import ServerConfig, resolve_device_defaults, resolve_work
 from clipserve.errors import StartupError
 from clipserve.inference.model import LoadedModel, load_model
 from clipserve.inference.preprocess import ImageDecoder
+
+if TYPE_CHECKING:  # imports torch: only with --decode gpu
+    from clipserve.inference.gpu_decode import DeviceDecoder
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +63,7 @@ class Runtime:
     decoder: ImageDecoder
     # --decode gpu: one batch decoder per device (built on its thread), and what admission
     # runs in the pool instead of the decoder (header checks; JPEG bytes pass through).
-    device_decoders: list[Any] = field(default_factory=list)
+    device_decoders: list[DeviceDecoder] = field(default_factory=list)
     image_input: Callable[[bytes], np.ndarray] | None = None
 
     def tokenize(self, texts: list[str]) -> np.ndarray:
@@ -71,7 +80,7 @@ class Runtime:
 
     @property
     def on_cpu(self) -> bool:
-        return all(ex.info.device == "cpu" for ex in self.executors)
+        return all(is_cpu(ex.info.device) for ex in self.executors)
 
     def decode_workers(self, requested: int) -> int:
         """0 = auto: one per core when a GPU computes; with CPU inference, one per 8 cores, since
@@ -122,7 +131,7 @@ def text_thread(device: str, image_thread: ThreadPoolExecutor) -> ThreadPoolExec
     its batch's results are back, so a shared one would make text batches wait behind image
     batches. On the CPU, the image thread: a second thread running torch would bring a second
     OpenMP team (see the module docstring)."""
-    return device_thread(device) if device.startswith("cuda") else image_thread
+    return device_thread(device) if is_cuda(device) else image_thread
 
 
 def _close_built(executors: list[Executor], threads: list[ThreadPoolExecutor]) -> None:
@@ -152,10 +161,9 @@ def _build_executor(model: LoadedModel, spec: ExecutorSpec, device: str) -> Exec
     except BaseException:
         _close_quietly([executor], [None])
         raise
-    log.info(
-        "warmed up %s on %s (%s) over batch sizes %s in %.1f s",
-        spec.backend, device, executor.info.precision, sizes, time.perf_counter() - t0,
-    )  # fmt: skip
+    took = time.perf_counter() - t0
+    what = f"{spec.backend} on {device} ({executor.info.precision})"
+    log.info("warmed up %s over batch sizes %s in %.1f s", what, sizes, took)
     return executor
 
 
@@ -234,7 +242,7 @@ def _add_device_decoders(runtime: Runtime, devices: list[str]) -> None:
     from clipserve.inference.gpu_decode import DeviceDecoder, EncodedAtAdmission
 
     for device, thread in zip(devices, runtime.threads, strict=True):
-        where = device if device.startswith("cuda") else "cpu"
+        where = torch_device_name(device)
         runtime.device_decoders.append(
             thread.submit(DeviceDecoder, runtime.decoder, where).result()
         )

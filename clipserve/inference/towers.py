@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from clipserve.batching import Batcher
+from clipserve.batching import Batcher, TowerKind
+from clipserve.engine.messages import Status, WorkerRow
 from clipserve.inference.runtime import Runtime
 from clipserve.metrics import Metrics
 
@@ -22,7 +22,7 @@ class WorkerStatus:
     """What a front end knows of one device worker (DeviceWorker has the same fields)."""
 
     device: str
-    kind: str
+    kind: TowerKind
     alive: bool
     error: str | None = None
 
@@ -38,8 +38,8 @@ class Towers:
         """Create inside the event loop that will run them. The text tower has its own queue
         and workers (and on CUDA its own device threads)."""
         batching = runtime.config.batching
-        image = Batcher(runtime.executors, batching, metrics, runtime.threads,
-                        decoders=runtime.device_decoders or None)  # fmt: skip
+        decoders = runtime.device_decoders or None
+        image = Batcher(runtime.executors, batching, metrics, runtime.threads, decoders=decoders)
         text = Batcher(runtime.text_executors, batching, metrics, runtime.text_threads, "text")
         return cls(image, text, runtime)
 
@@ -50,13 +50,10 @@ class Towers:
     async def stop(self) -> None:
         await asyncio.gather(self.image.stop(), self.text.stop())
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> Status:
         """Plain data (it crosses the control channel): workers, queues, wait, memory."""
         return {
-            "towers": {
-                kind: [[w.device, w.alive, w.error] for w in batcher.workers]
-                for kind, batcher in (("image", self.image), ("text", self.text))
-            },
+            "towers": {"image": _rows(self.image), "text": _rows(self.text)},
             "depth": {"image": self.image.depth(), "text": self.text.depth()},
             "wait_s": self.image.estimated_wait_s(1),
             "memory": {
@@ -67,19 +64,31 @@ class Towers:
         }
 
 
-def worker_statuses(status: dict[str, Any], kind: str) -> list[WorkerStatus]:
-    return [WorkerStatus(d, kind, bool(a), e) for d, a, e in status["towers"].get(kind, [])]
+def _rows(batcher: Batcher) -> list[WorkerRow]:
+    return [{"device": w.device, "alive": w.alive, "error": w.error} for w in batcher.workers]
 
 
-def add_status_gauges(metrics: Metrics, status: Callable[[], dict[str, Any]]) -> None:
+def worker_statuses(status: Status, kind: TowerKind) -> list[WorkerStatus]:
+    rows = status["towers"].get(kind, [])
+    return [WorkerStatus(w["device"], kind, w["alive"], w["error"]) for w in rows]
+
+
+def _alive(status: Status) -> dict[str, bool]:
+    """Each worker's liveness by gauge label: the device for the image tower, `text:<device>`
+    for the text tower's."""
+    return {
+        (w["device"] if kind == "image" else f"{kind}:{w['device']}"): w["alive"]
+        for kind, rows in status["towers"].items()
+        for w in rows
+    }
+
+
+def add_status_gauges(metrics: Metrics, status: Callable[[], Status]) -> None:
     """The scrape-time gauges (queue depth, wait, memory, worker liveness) from `status()`."""
     metrics.add_scrape_time_gauges(
-        lambda: status()["depth"],
+        # Metrics takes Mapping[str, int], invariant in its key type: a copy with str keys.
+        lambda: {kind: n for kind, n in status()["depth"].items()},
         lambda: status()["memory"],
-        lambda: {
-            (d if kind == "image" else f"{kind}:{d}"): bool(alive)
-            for kind, workers in status()["towers"].items()
-            for d, alive, _ in workers
-        },
+        lambda: _alive(status()),
         lambda: status()["wait_s"],
     )

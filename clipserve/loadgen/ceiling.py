@@ -21,14 +21,17 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clipserve.loadgen.procs import free_port, pin, stop
+
+if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send
 
 CONNECTIONS = 64
 
 
-async def trivial_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def trivial_app(scope: Scope, receive: Receive, send: Send) -> None:
     """Reads the body, answers `{}`: nothing for the server to do but HTTP."""
     if scope["type"] != "http":
         return

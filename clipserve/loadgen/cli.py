@@ -23,7 +23,7 @@ from clipserve.loadgen.server import fetch_info
 
 def _numbers(text: str, cast: type[float] | type[int]) -> list[float] | list[int]:
     try:
-        return [cast(v) for v in text.split(",") if v.strip()]  # type: ignore[misc]
+        return [cast(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list") from None
 
@@ -142,11 +142,8 @@ def specs(args: argparse.Namespace) -> list[LoadSpec]:
     if args.concurrency and args.rate:
         raise ValueError("give --concurrency or --rate, not both")
     if args.rate:
-        return [LoadSpec(rate=float(r), **common) for r in args.rate]  # type: ignore[arg-type]
-    return [
-        LoadSpec(concurrency=int(c), **common)  # type: ignore[arg-type]
-        for c in (args.concurrency or [1])
-    ]
+        return [LoadSpec(rate=float(r), **common) for r in args.rate]
+    return [LoadSpec(concurrency=int(c), **common) for c in (args.concurrency or [1])]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -39,7 +39,7 @@ def encode(img: Image.Image, fmt: str = "JPEG", **params: object) -> bytes:
     buf = io.BytesIO()
     if fmt == "JPEG":
         params.setdefault("quality", 90)
-    img.save(buf, fmt, **params)  # type: ignore[arg-type]
+    img.save(buf, fmt, **params)
     return buf.getvalue()
 
 

@@ -60,7 +60,7 @@ def row(r: PointResult) -> dict[str, Any]:
     }
 
 
-def _cell(v: Any) -> str:
+def _cell(v: object) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):

@@ -11,7 +11,6 @@ import base64
 import io
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgpack
 import numpy as np
@@ -19,6 +18,7 @@ import orjson
 
 from clipserve.inference.preprocess import ImageDecoder, PreprocessSpec
 from clipserve.loadgen.images import SourceImage, encode
+from clipserve.protocol.kserve import TEXT_SUFFIX, build_infer_request
 
 ACCEPT = {
     "json": "application/json",
@@ -244,33 +244,27 @@ def _openai_texts(ctx: Context) -> Request:
     return Request("/v1/embeddings", body, ctx.headers("application/json"), len(ctx.images))
 
 
-def _kserve(ctx: Context, suffix: str = "", **inputs: Any) -> Request:
-    from clipserve.protocol.kserve import build_infer_request
-
-    body, headers = build_infer_request(**inputs)
-    return Request(
-        f"/v2/models/{ctx.model.name}{suffix}/infer",
-        body,
-        {**headers, **ctx.extra_headers},
-        len(ctx.images),
-    )
+def _kserve(ctx: Context, built: tuple[bytes, dict[str, str]], suffix: str = "") -> Request:
+    """A request to the KServe route of the model (`suffix`: of its text model) from
+    `build_infer_request`'s body and headers."""
+    body, headers = built
+    path = f"/v2/models/{ctx.model.name}{suffix}/infer"
+    return Request(path, body, {**headers, **ctx.extra_headers}, len(ctx.images))
 
 
 @register("kserve-images", "Open Inference Protocol (KServe v2), encoded images as BYTES")
 def _kserve_images(ctx: Context) -> Request:
-    return _kserve(ctx, images=ctx.encoded_any())
+    return _kserve(ctx, build_infer_request(ctx.encoded_any()))
 
 
 @register("kserve-tensor", "Open Inference Protocol (KServe v2), a tensor (--tensor-dtype)")
 def _kserve_tensor(ctx: Context) -> Request:
-    return _kserve(ctx, tensor=ctx.tensor())
+    return _kserve(ctx, build_infer_request(tensor=ctx.tensor()))
 
 
 @register("kserve-texts", "Open Inference Protocol (KServe v2), texts (the -text model)", text=True)
 def _kserve_texts(ctx: Context) -> Request:
-    from clipserve.protocol.kserve import TEXT_SUFFIX
-
-    return _kserve(ctx, TEXT_SUFFIX, texts=_texts(ctx))
+    return _kserve(ctx, build_infer_request(texts=_texts(ctx)), TEXT_SUFFIX)
 
 
 def build_requests(

@@ -75,10 +75,8 @@ def clipserve_process(
     cmd = [sys.executable, "-m", "clipserve", *flags, "--host", "127.0.0.1", "--port", str(port)]
     if "--log-level" not in flags:
         cmd += ["--log-level", "warning"]
-    proc = subprocess.Popen(
-        cmd, preexec_fn=pin(cpus), cwd=cwd, stdout=stdout,
-        stderr=None if stdout is None else subprocess.STDOUT,
-    )  # fmt: skip
+    stderr = None if stdout is None else subprocess.STDOUT
+    proc = subprocess.Popen(cmd, preexec_fn=pin(cpus), cwd=cwd, stdout=stdout, stderr=stderr)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url, startup_s, f"server ({' '.join(flags)})")

@@ -17,7 +17,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ from clipserve.loadgen.runner import PointResult, run_point
 from clipserve.loadgen.server import fetch_info
 
 SECTIONS = ("executors", "protocols", "grid", "devices", "baseline", "ceiling")
+# What a section makes: its Markdown, and its data for report.json.
+Section = tuple[str, object]
 
 
 @dataclass
@@ -59,7 +62,8 @@ class Plan:
             concurrency=concurrency, duration_s=window or self.window, warmup_s=self.warmup
         )
 
-    def server(self, *extra: str, model: bool = True) -> Any:
+    def server(self, *extra: str, model: bool = True) -> AbstractContextManager[str]:
+        """A `clipserve` on the CPU with these flags; the block gets its URL."""
         base = [*self.model_flags] if model else []
         cache = ["--cache-dir", str(self.work / "cache")]
         return clipserve_server([*base, "--gpus", "cpu", *cache, *extra])
@@ -87,8 +91,8 @@ def _point(url: str, reqs: list[Request], spec: LoadSpec, plan: Plan) -> PointRe
     return r
 
 
-def _md(headers: list[str], rows: list[list[Any]]) -> str:
-    def cell(v: Any) -> str:
+def _md(headers: list[str], rows: Sequence[Sequence[object]]) -> str:
+    def cell(v: object) -> str:
         if isinstance(v, float):
             return f"{v:,.1f}" if abs(v) >= 10 else f"{v:.2f}"
         return "-" if v is None else str(v)
@@ -97,7 +101,7 @@ def _md(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows])
 
 
-def executors(plan: Plan) -> tuple[str, Any]:
+def executors(plan: Plan) -> Section:
     from clipserve.loadgen.offline import measure_executor
 
     sizes = [1, 8, 32] if plan.quick else [1, 4, 8, 16, 32, 64]
@@ -133,7 +137,7 @@ def executors(plan: Plan) -> tuple[str, Any]:
     return text, results
 
 
-def protocols(plan: Plan) -> tuple[str, Any]:
+def protocols(plan: Plan) -> Section:
     in_flight = 64
     out = []
     with plan.server("--backend", "fake", "--max-queue-size", "512") as url:
@@ -171,7 +175,7 @@ def _items(o: dict[str, Any]) -> int:
     return 1 if KINDS[o["payload"]].single else 8
 
 
-def grid(plan: Plan) -> tuple[str, Any]:
+def grid(plan: Plan) -> Section:
     delays = [0.0, 10.0] if plan.quick else [0.0, 5.0, 20.0]
     concurrency = [1, 8, 32]
     cells: dict[float, list[PointResult]] = {}
@@ -227,7 +231,7 @@ def _grid_plot(
     plt.close(fig)
 
 
-def devices(plan: Plan) -> tuple[str, Any]:
+def devices(plan: Plan) -> Section:
     counts = [1, 4] if plan.quick else [1, 2, 4]
     option = ["--backend-option", "latency_ms=20", "--backend-option", "per_item_ms=4"]
     results = []
@@ -263,7 +267,7 @@ def devices(plan: Plan) -> tuple[str, Any]:
     return text, [r.to_dict() for r in results]
 
 
-def baseline(plan: Plan) -> tuple[str, Any]:
+def baseline(plan: Plan) -> Section:
     c = plan.baseline_clients
     results = {}
     for label, size in (("one image per model call", "1"), ("dynamic batching (32)", "32")):
@@ -300,7 +304,7 @@ def baseline(plan: Plan) -> tuple[str, Any]:
     return text, {k: r.to_dict() for k, r in results.items()}
 
 
-def ceiling(plan: Plan) -> tuple[str, Any]:
+def ceiling(plan: Plan) -> Section:
     import shutil
 
     from clipserve.loadgen.ceiling import compare, summary_markdown
@@ -313,7 +317,7 @@ def ceiling(plan: Plan) -> tuple[str, Any]:
     return summary_markdown(rounds), rounds
 
 
-RUNNERS: dict[str, Callable[[Plan], tuple[str, Any]]] = {
+RUNNERS: dict[str, Callable[[Plan], Section]] = {
     "executors": executors,
     "protocols": protocols,
     "grid": grid,

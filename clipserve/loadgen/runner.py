@@ -15,7 +15,7 @@ import aiohttp
 
 from clipserve.loadgen.loadgen import LoadSpec, progress_printer, run_async, run_load
 from clipserve.loadgen.payloads import Request
-from clipserve.loadgen.server import Breakdown, breakdown, scrape
+from clipserve.loadgen.server import Breakdown, Samples, breakdown, scrape
 from clipserve.loadgen.stats import Tally
 
 # Past these the client, not the server, may be what was measured.
@@ -87,7 +87,7 @@ def drive(
     return merged
 
 
-async def _scrape_once(url: str) -> Any:
+async def _scrape_once(url: str) -> Samples | None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
         return await scrape(session, url)
 

@@ -4,7 +4,8 @@ bodies → images, tensors or texts, and embeddings → response bodies. Pure: n
 Tensors come as JSON `data` or, with Triton's binary tensor extension, as raw bytes after the
 JSON header (its length in `Inference-Header-Content-Length`, each tensor's in its
 `binary_data_size` parameter). A BYTES element in binary is a 4-byte little-endian length and
-the bytes; in JSON, where strings must be text, an encoded image is its base64.
+the bytes; in JSON, where strings must be text, an encoded image is its base64. The input's
+contents are read in `kserve_inputs.py`; this module reads and writes the rest.
 
 The image model takes one input per request, told apart by its datatype: BYTES [N] or [N, 1]
 (encoded JPEG/PNG/WebP), UINT8 [N, H, W, 3], or FP32/FP16 [N, 3, H, W] (normalised). Its name
@@ -14,38 +15,33 @@ working. The text model (`<model>-text`) takes BYTES [N] or [N, 1] of UTF-8 text
 
 from __future__ import annotations
 
-import base64
-import binascii
-import math
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
 
 from clipserve import __version__
-from clipserve.errors import (
-    InvalidBody,
-    InvalidImage,
-    InvalidTensor,
-    InvalidText,
-    TooManyItems,
-    TooManyTexts,
+from clipserve.errors import InvalidBody, InvalidTensor, TooManyItems
+from clipserve.protocol.kserve_inputs import (
+    LENGTH,
+    NUMERIC,
+    array_of,
+    images_of,
+    input_tensor,
+    texts_of,
 )
-from clipserve.protocol.tensors import MAX_DIM, check_count, expected_layout, parse_tensor
-from clipserve.protocol.text import check_length
 
-Tower = Literal["image", "text"]
+if TYPE_CHECKING:
+    from clipserve.batching.tower import TowerKind
+
 HEADER_LENGTH = "Inference-Header-Content-Length"
 TEXT_SUFFIX = "-text"
 VERSION = "1"  # one version per model; Triton's clients ask for "" or "1"
-NUMERIC = {"UINT8": "uint8", "FP16": "float16", "FP32": "float32"}
 OUTPUTS = {"embedding": "<f4", "embedding_fp16": "<f2"}  # name → little-endian numpy dtype
 OUTPUT_TYPES = {"embedding": "FP32", "embedding_fp16": "FP16"}
 DEFAULT_OUTPUT = "embedding"
-_LENGTH = struct.Struct("<I")
 
 
 @dataclass(frozen=True)
@@ -85,131 +81,6 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     return body[: int(raw)], memoryview(body)[int(raw) :]
 
 
-def _dims(shape: object) -> list[int]:
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape
-    ):
-        raise InvalidTensor(f"shape {shape!r} must be a list of non-negative integers")
-    return [int(d) for d in shape]
-
-
-def _element_count(dims: list[int], max_items: int, tower: Tower) -> int:
-    """BYTES inputs hold one item per element: shape [N] or [N, 1]."""
-    if not (len(dims) == 1 or (len(dims) == 2 and dims[1] == 1)):
-        raise InvalidTensor(f"shape {dims}: BYTES inputs are [N] or [N, 1], one item each")
-    n = dims[0]
-    if n == 0:
-        raise InvalidTensor("the input holds no elements (shape [0])")
-    if tower == "text" and n > max_items:
-        raise TooManyTexts(f"{n} texts in one request; the limit is {max_items} "
-                           "(--max-items-per-request)")  # fmt: skip
-    check_count(n, max_items)
-    return n
-
-
-def _binary_elements(raw: memoryview, n: int) -> list[bytes]:
-    """Triton's BYTES layout: each element a 4-byte little-endian length, then its bytes."""
-    elements: list[bytes] = []
-    offset = 0
-    while offset < len(raw):
-        if len(elements) == n:
-            raise InvalidTensor(f"BYTES data holds more than the {n} elements of its shape")
-        if offset + 4 > len(raw):
-            raise InvalidTensor(f"BYTES element {len(elements)}: truncated length prefix")
-        (size,) = _LENGTH.unpack_from(raw, offset)
-        offset += 4
-        if offset + size > len(raw):
-            raise InvalidTensor(
-                f"BYTES element {len(elements)}: length {size} runs past the tensor's data"
-            )
-        elements.append(bytes(raw[offset : offset + size]))
-        offset += size
-    if len(elements) != n:
-        raise InvalidTensor(f"BYTES data holds {len(elements)} elements; the shape says {n}")
-    return elements
-
-
-def _json_strings(data: object, n: int) -> list[str]:
-    """JSON BYTES data: n strings, flat or nested one level ([N, 1])."""
-    if not isinstance(data, list):
-        raise InvalidTensor('"data" must be an array')
-    flat = [x[0] if isinstance(x, list) and len(x) == 1 else x for x in data]
-    if len(flat) != n:
-        raise InvalidTensor(f'"data" holds {len(flat)} elements; the shape says {n}')
-    for index, item in enumerate(flat):
-        if not isinstance(item, str):
-            raise InvalidTensor(f"element {index}: BYTES data in JSON must be strings")
-    return flat  # type: ignore[return-value]
-
-
-def _images(spec: dict[str, Any], raw: memoryview | None, max_items: int) -> list[bytes]:
-    n = _element_count(_dims(spec.get("shape")), max_items, "image")
-    if raw is not None:
-        return _binary_elements(raw, n)
-    images = []
-    for index, item in enumerate(_json_strings(spec.get("data"), n)):
-        try:
-            images.append(base64.b64decode(item, validate=True))
-        except (binascii.Error, ValueError):
-            raise InvalidImage(
-                f"item {index}: in JSON, BYTES images must be base64 (or send binary data)"
-            ) from None
-    return images
-
-
-def _texts(spec: dict[str, Any], raw: memoryview | None, max_items: int,
-           max_chars: int) -> list[str]:  # fmt: skip
-    n = _element_count(_dims(spec.get("shape")), max_items, "text")
-    if raw is None:
-        texts = _json_strings(spec.get("data"), n)
-    else:
-        texts = []
-        for index, element in enumerate(_binary_elements(raw, n)):
-            try:
-                texts.append(element.decode("utf-8"))
-            except UnicodeDecodeError:
-                raise InvalidText(f"item {index}: not UTF-8 text") from None
-    for index, text in enumerate(texts):
-        check_length(text, index, max_chars)
-    return texts
-
-
-def _check_image_shape(datatype: str, dims: list[int], size: tuple[int, int],
-                       max_items: int) -> None:  # fmt: skip
-    """The model's layout for this datatype, checked before JSON data becomes an array."""
-    dtype = NUMERIC[datatype]
-    layout = expected_layout(dtype, size)
-    if len(dims) != 4 or tuple(dims[1:]) != layout or dims[0] == 0:
-        kind = "NHWC" if dtype == "uint8" else "NCHW"
-        raise InvalidTensor(f"shape {dims} does not fit the model: {datatype} inputs are {kind} "
-                            f"[N, {', '.join(map(str, layout))}]")  # fmt: skip
-    check_count(dims[0], max_items)
-
-
-def _tensor(spec: dict[str, Any], raw: memoryview | None, datatype: str, size: tuple[int, int],
-            max_items: int) -> np.ndarray:  # fmt: skip
-    dims = _dims(spec.get("shape"))
-    _check_image_shape(datatype, dims, size, max_items)
-    dtype = NUMERIC[datatype]
-    if raw is None:
-        try:
-            values = np.asarray(spec.get("data"))
-        except (ValueError, TypeError):
-            raise InvalidTensor('"data" must be a flat or nested array of numbers') from None
-        integral = "iu" if dtype == "uint8" else "iuf"
-        if values.dtype.kind not in integral:
-            kind = "integers" if dtype == "uint8" else "numbers"
-            raise InvalidTensor(f'"data" of a {datatype} input must hold {kind}')
-        if values.size != math.prod(dims):
-            raise InvalidTensor(f'"data" holds {values.size} values; shape {dims} needs '
-                                f"{math.prod(dims)}")  # fmt: skip
-        if dtype == "uint8" and values.size and (values.min() < 0 or values.max() > 255):
-            raise InvalidTensor('"data" of a UINT8 input must be within 0..255')
-        raw = memoryview(values.astype(dtype).tobytes())
-    # parse_tensor only needs len() and np.frombuffer, which take any buffer: no copy.
-    return parse_tensor(dtype, dims, raw, size, max_items)  # type: ignore[arg-type]
-
-
 def _outputs(doc: dict[str, Any]) -> list[RequestedOutput]:
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
@@ -224,8 +95,9 @@ def _outputs(doc: dict[str, Any]) -> list[RequestedOutput]:
     for spec in requested:
         name = spec.get("name") if isinstance(spec, dict) else None
         if not isinstance(name, str) or name not in OUTPUTS:
-            raise InvalidTensor(f"unexpected inference output {name!r}; the outputs are "
-                                f"{', '.join(OUTPUTS)}")  # fmt: skip
+            raise InvalidTensor(
+                f"unexpected inference output {name!r}; the outputs are {', '.join(OUTPUTS)}"
+            )
         if any(o.name == name for o in outputs):
             raise InvalidTensor(f"output {name!r} requested twice")
         out_params = spec.get("parameters") or {}
@@ -239,34 +111,6 @@ def _outputs(doc: dict[str, Any]) -> list[RequestedOutput]:
     return outputs
 
 
-def _input(doc: dict[str, Any], binary: memoryview) -> tuple[dict[str, Any], memoryview | None]:
-    """The request's one input and its binary data (None if it came as JSON)."""
-    inputs = doc.get("inputs")
-    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
-        count = len(inputs) if isinstance(inputs, list) else 0
-        raise InvalidBody(f'"inputs" must hold exactly one input tensor; got {count}')
-    spec: dict[str, Any] = inputs[0]
-    if not isinstance(spec.get("name"), str) or not isinstance(spec.get("datatype"), str):
-        raise InvalidBody('an input needs "name", "shape" and "datatype"')
-    params = spec.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise InvalidBody('"parameters" of an input must be an object')
-    if "shared_memory_region" in params:
-        raise InvalidTensor("shared memory inputs are not supported; send the data in the body")
-    size = params.get("binary_data_size")
-    if size is None:
-        if binary:
-            raise InvalidBody("binary data after the JSON header, but no input has "
-                              "binary_data_size")  # fmt: skip
-        if "data" not in spec:
-            raise InvalidBody(f"input {spec['name']!r} has neither data nor binary_data_size")
-        return spec, None
-    if isinstance(size, bool) or not isinstance(size, int) or size != len(binary):
-        raise InvalidBody(f"binary_data_size {size!r} does not match the {len(binary)} bytes "
-                          "after the JSON header")  # fmt: skip
-    return spec, binary
-
-
 def _check_containers(header: bytes, max_items: int, size: tuple[int, int]) -> None:
     """Refuse before parsing a header holding more arrays and objects than the largest valid
     request nests (JSON data for [N, 3, H, W] is N·3·H rows): orjson turns 31 MiB of `[],`
@@ -274,16 +118,18 @@ def _check_containers(header: bytes, max_items: int, size: tuple[int, int]) -> N
     limit = max_items * (3 * max(size) + 8) + 64
     count = header.count(b"[") + header.count(b"{")
     if count > limit:
-        raise TooManyItems(f"the inference header holds {count} arrays and objects; a request "
-                           f"of at most {max_items} items (--max-items-per-request) needs no "
-                           f"more than {limit}")  # fmt: skip
+        raise TooManyItems(
+            f"the inference header holds {count} arrays and objects; a request "
+            f"of at most {max_items} items (--max-items-per-request) needs no "
+            f"more than {limit}"
+        )
 
 
 def parse_infer_request(
     body: bytes,
     header_length: str | None,
     *,
-    tower: Tower,
+    tower: TowerKind,
     size: tuple[int, int],
     max_items: int,
     max_text_chars: int,
@@ -302,20 +148,20 @@ def parse_infer_request(
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidBody('"id" must be a string')
     outputs = _outputs(doc)
-    spec, raw = _input(doc, binary)
-    datatype: str = spec["datatype"]
-    suffix = "" if raw is not None else "-json"
+    tensor = input_tensor(doc, binary)
+    datatype = tensor.datatype
+    suffix = "" if tensor.binary is not None else "-json"
     request = InferRequest("", outputs, request_id)
     if tower == "text":
         if datatype != "BYTES":
             raise InvalidTensor(f"datatype {datatype}: the text model takes BYTES (UTF-8 text)")
-        request.texts = _texts(spec, raw, max_items, max_text_chars)
+        request.texts = texts_of(tensor, max_items, max_text_chars)
         request.protocol = "kserve-text" + suffix
     elif datatype == "BYTES":
-        request.images = _images(spec, raw, max_items)
+        request.images = images_of(tensor, max_items)
         request.protocol = "kserve-bytes" + suffix
     elif datatype in NUMERIC:
-        request.tensor = _tensor(spec, raw, datatype, size, max_items)
+        request.tensor = array_of(tensor, size, max_items)
         request.protocol = f"kserve-{datatype.lower()}" + suffix
     else:
         raise InvalidTensor(
@@ -368,8 +214,9 @@ def server_metadata() -> dict[str, Any]:
     return {"name": "clipserve", "version": __version__, "extensions": ["binary_tensor_data"]}
 
 
-def model_metadata(name: str, tower: Tower, size: tuple[int, int],
-                   embed_dim: int) -> dict[str, Any]:  # fmt: skip
+def model_metadata(
+    name: str, tower: TowerKind, size: tuple[int, int], embed_dim: int
+) -> dict[str, Any]:
     """What `GET /v2/models/{name}` answers. The image model lists each input it accepts; a
     request sends exactly one of them."""
     h, w = size
@@ -382,15 +229,19 @@ def model_metadata(name: str, tower: Tower, size: tuple[int, int],
             {"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, h, w]},
             {"name": "pixel_values_fp16", "datatype": "FP16", "shape": [-1, 3, h, w]},
         ]
-    outputs = [{"name": n, "datatype": OUTPUT_TYPES[n], "shape": [-1, embed_dim]}
-               for n in OUTPUTS]  # fmt: skip
-    return {"name": name, "versions": [VERSION], "platform": "clipserve", "inputs": inputs,
-            "outputs": outputs}  # fmt: skip
+    outputs = [{"name": n, "datatype": OUTPUT_TYPES[n], "shape": [-1, embed_dim]} for n in OUTPUTS]
+    return {
+        "name": name,
+        "versions": [VERSION],
+        "platform": "clipserve",
+        "inputs": inputs,
+        "outputs": outputs,
+    }
 
 
 def serialize_bytes(elements: Sequence[bytes]) -> bytes:
     """Triton's BYTES layout, for clients: each element prefixed by its 4-byte length."""
-    return b"".join(_LENGTH.pack(len(e)) + e for e in elements)
+    return b"".join(LENGTH.pack(len(e)) + e for e in elements)
 
 
 def build_infer_request(
@@ -418,10 +269,13 @@ def build_infer_request(
         data = serialize_bytes(images)
     else:
         raise ValueError("give images, tensor or texts")
-    header = orjson.dumps({
-        "inputs": [{"name": input_name or name, "shape": shape, "datatype": datatype,
-                    "parameters": {"binary_data_size": len(data)}}],
-        "outputs": [{"name": output, "parameters": {"binary_data": binary_output}}],
-    })  # fmt: skip
+    sent = {
+        "name": input_name or name,
+        "shape": shape,
+        "datatype": datatype,
+        "parameters": {"binary_data_size": len(data)},
+    }
+    wanted = {"name": output, "parameters": {"binary_data": binary_output}}
+    header = orjson.dumps({"inputs": [sent], "outputs": [wanted]})
     headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
     return header + data, headers

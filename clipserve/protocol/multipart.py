@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from clipserve.errors import InvalidBody, TooManyItems
+
+if TYPE_CHECKING:
+    from python_multipart.multipart import MultipartCallbacks
 
 MAX_BOUNDARY = 70  # RFC 2046 §5.1.1; python-multipart raises (outside any handler) past 256
 # A part needs Content-Disposition and perhaps Content-Type; browsers send two headers.
@@ -16,15 +21,18 @@ MAX_CONTENT_TYPE = 1024
 
 def boundary_of(content_type: str) -> bytes:
     if len(content_type) > MAX_CONTENT_TYPE:
-        raise InvalidBody(f"Content-Type of {len(content_type)} characters; "
-                          f"at most {MAX_CONTENT_TYPE} are read")  # fmt: skip
+        raise InvalidBody(
+            f"Content-Type of {len(content_type)} characters; at most {MAX_CONTENT_TYPE} are read"
+        )
     _, params = parse_options_header(content_type)
     boundary = params.get(b"boundary")
     if not boundary:
         raise InvalidBody("multipart/form-data without a boundary parameter")
     if len(boundary) > MAX_BOUNDARY:
-        raise InvalidBody(f"multipart boundary of {len(boundary)} characters; "
-                          f"RFC 2046 allows at most {MAX_BOUNDARY}")  # fmt: skip
+        raise InvalidBody(
+            f"multipart boundary of {len(boundary)} characters; "
+            f"RFC 2046 allows at most {MAX_BOUNDARY}"
+        )
     return boundary
 
 
@@ -37,8 +45,9 @@ def parse_files(content_type: str, body: bytes, max_items: int) -> list[bytes]:
 
     def on_part_begin() -> None:
         if len(parts) >= max_items:
-            raise TooManyItems(f"more than {max_items} files in one request "
-                               "(--max-items-per-request)")  # fmt: skip
+            raise TooManyItems(
+                f"more than {max_items} files in one request (--max-items-per-request)"
+            )
         parts.append([])
         dispositions.append(b"")
 
@@ -53,12 +62,20 @@ def parse_files(content_type: str, body: bytes, max_items: int) -> list[bytes]:
             dispositions[-1] = data[start:end]
         field.clear()
 
+    callbacks: MultipartCallbacks = {
+        "on_part_begin": on_part_begin,
+        "on_part_data": on_part_data,
+        "on_header_field": on_header_field,
+        "on_header_value": on_header_value,
+    }
     boundary = boundary_of(content_type)
     try:
-        parser = MultipartParser(boundary, {
-            "on_part_begin": on_part_begin, "on_part_data": on_part_data,
-            "on_header_field": on_header_field, "on_header_value": on_header_value,
-        }, max_header_count=MAX_PART_HEADERS, max_header_size=MAX_PART_HEADER_BYTES)  # fmt: skip
+        parser = MultipartParser(
+            boundary,
+            callbacks,
+            max_header_count=MAX_PART_HEADERS,
+            max_header_size=MAX_PART_HEADER_BYTES,
+        )
         parser.write(body)
         parser.finalize()
     except (TooManyItems, InvalidBody):

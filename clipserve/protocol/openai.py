@@ -36,13 +36,21 @@ IMAGE_B64_PREFIXES = ("/9j/", "iVBORw0KGg", "UklGR")
 
 
 FIELDS = ("input", "model", "encoding_format", "dimensions", "user")
+# Codes of the errors that point at `input`.
+INPUT_CODES = (
+    "invalid_text",
+    "text_too_long",
+    "too_many_items",
+    "too_many_texts",
+    "invalid_image",
+    "image_too_large",
+)
 # Which request field an error's code points at, for the `param` of OpenAI's error body.
 PARAM_OF_CODE = {
     "model_not_found": "model",
-    **{code: "input" for code in ("invalid_text", "text_too_long", "too_many_items",
-                                  "too_many_texts", "invalid_image", "image_too_large")},
+    **{code: "input" for code in INPUT_CODES},
     **{f"invalid_{name}": name for name in FIELDS},
-}  # fmt: skip
+}
 
 
 class InvalidField(InvalidParameter):
@@ -230,14 +238,16 @@ def encode_embeddings_response(
 
 def encode_models(models: Sequence[str], created: int) -> bytes:
     """`GET /v1/models`: every name the served model answers to."""
-    data = [{"id": m, "object": "model", "created": created, "owned_by": "clipserve"}
-            for m in models]  # fmt: skip
+    data = [_model_object(m, created) for m in models]
     return orjson.dumps({"object": "list", "data": data})
 
 
 def encode_model(model: str, created: int) -> bytes:
-    return orjson.dumps({"id": model, "object": "model", "created": created,
-                         "owned_by": "clipserve"})  # fmt: skip
+    return orjson.dumps(_model_object(model, created))
+
+
+def _model_object(model: str, created: int) -> dict[str, str | int]:
+    return {"id": model, "object": "model", "created": created, "owned_by": "clipserve"}
 
 
 def error_type(status: int) -> str:
@@ -249,8 +259,12 @@ def error_type(status: int) -> str:
 
 def encode_error(message: str, status: int, code: str) -> bytes:
     """OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`."""
-    error = {"message": message, "type": error_type(status), "param": PARAM_OF_CODE.get(code),
-             "code": code}  # fmt: skip
+    error = {
+        "message": message,
+        "type": error_type(status),
+        "param": PARAM_OF_CODE.get(code),
+        "code": code,
+    }
     return orjson.dumps({"error": error})
 
 
@@ -265,7 +279,9 @@ def build_embeddings_request(
 ) -> bytes:
     """A request body, for load generators and tests: `bytes` items are encoded images, sent as
     data URIs; strings are sent as they are."""
-    items = inputs if isinstance(inputs, str) else [
-        data_uri(i) if isinstance(i, bytes) else i for i in inputs
-    ]  # fmt: skip
+    items = inputs if isinstance(inputs, str) else [_as_input(i) for i in inputs]
     return orjson.dumps({"model": model, "input": items, "encoding_format": encoding_format})
+
+
+def _as_input(item: str | bytes) -> str:
+    return data_uri(item) if isinstance(item, bytes) else item

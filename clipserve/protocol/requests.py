@@ -5,23 +5,24 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sized
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 import msgpack
 import numpy as np
 import orjson
 
 from clipserve.errors import ClipserveError, InvalidBody, TooManyItems, UnsupportedMediaType
-from clipserve.protocol.media import media_type
+from clipserve.protocol.media import JSON, media_type
 from clipserve.protocol.multipart import parse_files
 from clipserve.protocol.tensors import check_count, parse_shape, parse_tensor
 
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp")
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
-REQUEST_TYPES = (*IMAGE_TYPES, "multipart/form-data", *MSGPACK_TYPES,
-                 "application/octet-stream", "application/json")  # fmt: skip
+MULTIPART = "multipart/form-data"
+RAW_TENSOR = "application/octet-stream"  # dtype and shape in X-Tensor-Dtype, X-Tensor-Shape
+REQUEST_TYPES = (*IMAGE_TYPES, MULTIPART, *MSGPACK_TYPES, RAW_TENSOR, JSON)
 
 
 @dataclass
@@ -70,21 +71,28 @@ def value_budget(max_items: int) -> int:
 
 
 def _too_many_values(kind: str, max_items: int, error: type[ClipserveError]) -> ClipserveError:
-    return error(f"{kind} body holds more than {value_budget(max_items)} values; a request "
-                 f"holds at most {max_items} items (--max-items-per-request)")  # fmt: skip
+    return error(
+        f"{kind} body holds more than {value_budget(max_items)} values; a request "
+        f"holds at most {max_items} items (--max-items-per-request)"
+    )
 
 
 class _OverBudget(Exception):
     pass
 
 
-def unpack_msgpack(body: bytes, max_items: int, error: type[ClipserveError] = TooManyItems) -> Any:
+SizedT = TypeVar("SizedT", bound=Sized)
+
+
+def unpack_msgpack(
+    body: bytes, max_items: int, error: type[ClipserveError] = TooManyItems
+) -> object:
     """Unpack, refusing more than `value_budget(max_items)` values as they are built (msgpack
     otherwise turns a 32 MiB body of empty arrays into 32 M lists: gigabytes)."""
     budget = value_budget(max_items)
     built = 0
 
-    def counted(container: Any, per_entry: int) -> Any:
+    def counted(container: SizedT, per_entry: int) -> SizedT:
         nonlocal built
         built += len(container) * per_entry + 1
         if built > budget:
@@ -94,9 +102,14 @@ def unpack_msgpack(body: bytes, max_items: int, error: type[ClipserveError] = To
     try:
         # No ext_hook: extension types stay opaque ExtType values, never objects.
         return msgpack.unpackb(
-            body, raw=False, strict_map_key=True, max_array_len=budget, max_map_len=budget,
-            list_hook=lambda c: counted(c, 1), object_hook=lambda c: counted(c, 2),
-        )  # fmt: skip
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_array_len=budget,
+            max_map_len=budget,
+            list_hook=lambda c: counted(c, 1),
+            object_hook=lambda c: counted(c, 2),
+        )
     except _OverBudget:
         raise _too_many_values("msgpack", max_items, error) from None
     except ValueError as e:
@@ -107,7 +120,7 @@ def unpack_msgpack(body: bytes, max_items: int, error: type[ClipserveError] = To
         raise InvalidBody(f"malformed msgpack body ({type(e).__name__}: {e})") from None
 
 
-def loads_json(body: bytes, max_items: int, error: type[ClipserveError] = TooManyItems) -> Any:
+def loads_json(body: bytes, max_items: int, error: type[ClipserveError] = TooManyItems) -> object:
     """orjson.loads, after counting tokens up to the value budget without building anything
     (orjson turns a 32 MiB body of [] into 10 M lists). Stops at the budget or the first thing
     that is not a token, so the count costs O(budget) matches, whatever the body."""
@@ -124,19 +137,38 @@ def loads_json(body: bytes, max_items: int, error: type[ClipserveError] = TooMan
         raise InvalidBody(f"malformed JSON body ({e})") from None
 
 
-def _from_msgpack(body: bytes, size: tuple[int, int], max_items: int) -> Payload:
-    doc = unpack_msgpack(body, max_items)
+@dataclass(frozen=True)
+class RequestBody:
+    """A request body and what its codec may read besides it."""
+
+    content_type: str
+    headers: Mapping[str, str]  # lower-case names to values (X-Tensor-Dtype, X-Tensor-Shape)
+    data: bytes
+    size: tuple[int, int]  # the model's (height, width)
+    max_items: int
+
+
+def _one_image(r: RequestBody) -> Payload:
+    return Payload(protocol_label(media_type(r.content_type)), images=[r.data], single=True)
+
+
+def _multipart(r: RequestBody) -> Payload:
+    return Payload("multipart", images=parse_files(r.content_type, r.data, r.max_items))
+
+
+def _msgpack(r: RequestBody) -> Payload:
+    doc = unpack_msgpack(r.data, r.max_items)
     if not isinstance(doc, dict) or len({"images", "tensor"} & doc.keys()) != 1:
         raise InvalidBody('msgpack body must be a map with "images" or "tensor"')
     if "images" in doc:
         images = doc["images"]
         if not isinstance(images, list):
             raise InvalidBody('"images" must be an array of binary values')
-        _count(len(images), max_items)
+        _count(len(images), r.max_items)
         for index, item in enumerate(images):
             if not isinstance(item, bytes):
-                raise InvalidBody(f"item {index}: images must be msgpack bin, not "
-                                  f"{type(item).__name__}")  # fmt: skip
+                got = type(item).__name__
+                raise InvalidBody(f"item {index}: images must be msgpack bin, not {got}")
         return Payload("msgpack-images", images=images)
     spec = doc["tensor"]
     if not isinstance(spec, dict) or not {"dtype", "shape", "data"} <= spec.keys():
@@ -144,23 +176,24 @@ def _from_msgpack(body: bytes, size: tuple[int, int], max_items: int) -> Payload
     dtype, shape, data = spec["dtype"], spec["shape"], spec["data"]
     if not isinstance(dtype, str) or not isinstance(shape, list) or not isinstance(data, bytes):
         raise InvalidBody('"tensor" needs dtype: str, shape: array, data: bin')
-    return Payload("msgpack-tensor", tensor=parse_tensor(dtype, shape, data, size, max_items))
+    tensor = parse_tensor(dtype, shape, data, r.size, r.max_items)
+    return Payload("msgpack-tensor", tensor=tensor)
 
 
-def _from_raw(headers: Mapping[str, str], body: bytes, size: tuple[int, int],
-              max_items: int) -> Payload:  # fmt: skip
-    dtype, shape = headers.get("x-tensor-dtype"), headers.get("x-tensor-shape")
+def _raw_tensor(r: RequestBody) -> Payload:
+    dtype, shape = r.headers.get("x-tensor-dtype"), r.headers.get("x-tensor-shape")
     if dtype is None or shape is None:
         raise InvalidBody("application/octet-stream needs X-Tensor-Dtype and X-Tensor-Shape")
-    tensor = parse_tensor(dtype.strip().lower(), parse_shape(shape), body, size, max_items)
+    dims = parse_shape(shape)
+    tensor = parse_tensor(dtype.strip().lower(), dims, r.data, r.size, r.max_items)
     return Payload("raw-tensor", tensor=tensor)
 
 
-def _from_json(body: bytes, max_items: int) -> Payload:
-    doc = loads_json(body, max_items)
+def _json(r: RequestBody) -> Payload:
+    doc = loads_json(r.data, r.max_items)
     if not isinstance(doc, dict) or not isinstance(doc.get("images"), list):
         raise InvalidBody('JSON body must be {"images": ["<base64>", ...]}')
-    _count(len(doc["images"]), max_items)
+    _count(len(doc["images"]), r.max_items)
     images = []
     for index, item in enumerate(doc["images"]):
         try:
@@ -170,50 +203,31 @@ def _from_json(body: bytes, max_items: int) -> Payload:
     return Payload("json-base64", images=images)
 
 
-Parse = Callable[[str, Mapping[str, str], bytes, tuple[int, int], int], Payload]
-
-
-def _one_image(content_type: str, headers: Mapping[str, str], body: bytes,
-               size: tuple[int, int], max_items: int) -> Payload:  # fmt: skip
-    return Payload(protocol_label(media_type(content_type)), images=[body], single=True)
-
-
-def _multipart(content_type: str, headers: Mapping[str, str], body: bytes,
-               size: tuple[int, int], max_items: int) -> Payload:  # fmt: skip
-    return Payload("multipart", images=parse_files(content_type, body, max_items))
-
-
-def _msgpack(content_type: str, headers: Mapping[str, str], body: bytes,
-             size: tuple[int, int], max_items: int) -> Payload:  # fmt: skip
-    return _from_msgpack(body, size, max_items)
-
-
-def _raw(content_type: str, headers: Mapping[str, str], body: bytes,
-         size: tuple[int, int], max_items: int) -> Payload:  # fmt: skip
-    return _from_raw(headers, body, size, max_items)
-
-
-def _json(content_type: str, headers: Mapping[str, str], body: bytes,
-          size: tuple[int, int], max_items: int) -> Payload:  # fmt: skip
-    return _from_json(body, max_items)
-
-
 @dataclass(frozen=True)
 class ImageCodec:
-    """How one request media type becomes a Payload: `parse(content_type, headers, body,
-    size, max_items)`, where `headers` maps lower-case names to values and `size` is the
-    model's (height, width)."""
+    """How one request media type becomes a Payload."""
 
-    parse: Parse
+    read: Callable[[RequestBody], Payload]
     inline: bool = False  # one encoded image: nothing to parse, so no hop to the pool
+
+    def parse(
+        self,
+        content_type: str,
+        headers: Mapping[str, str],
+        body: bytes,
+        size: tuple[int, int],
+        max_items: int,
+    ) -> Payload:
+        """`headers` maps lower-case names to values; `size` is the model's (height, width)."""
+        return self.read(RequestBody(content_type, headers, body, size, max_items))
 
 
 CODECS: dict[str, ImageCodec] = {
     **{media: ImageCodec(_one_image, inline=True) for media in IMAGE_TYPES},
-    "multipart/form-data": ImageCodec(_multipart),
+    MULTIPART: ImageCodec(_multipart),
     **{media: ImageCodec(_msgpack) for media in MSGPACK_TYPES},
-    "application/octet-stream": ImageCodec(_raw),
-    "application/json": ImageCodec(_json),
+    RAW_TENSOR: ImageCodec(_raw_tensor),
+    JSON: ImageCodec(_json),
 }
 assert set(CODECS) == set(REQUEST_TYPES)
 
@@ -225,6 +239,12 @@ def image_codec(content_type: str | None) -> ImageCodec:
     return CODECS[media]
 
 
-def parse_body(content_type: str, headers: Mapping[str, str], body: bytes,
-               size: tuple[int, int], max_items: int) -> Payload:  # fmt: skip
+def parse_body(
+    content_type: str,
+    headers: Mapping[str, str],
+    body: bytes,
+    size: tuple[int, int],
+    max_items: int,
+) -> Payload:
+    """`image_codec(content_type).parse(...)`, for callers that have the whole request at once."""
     return image_codec(content_type).parse(content_type, headers, body, size, max_items)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import msgpack
 import numpy as np
@@ -30,7 +29,7 @@ def encode_embeddings(
     embeddings: np.ndarray,
     *,
     single: bool,
-    meta: Mapping[str, Any],
+    meta: Mapping[str, object],
     media: str = JSON,
     dtype: str = "float32",
 ) -> tuple[bytes, dict[str, str]]:
@@ -41,8 +40,11 @@ def encode_embeddings(
     dim = int(embeddings.shape[1])
     if media == RAW:
         shape = ",".join(map(str, payload.shape))
-        headers = {"X-Embedding-Shape": shape, "X-Embedding-Dtype": dtype,
-                   "X-Model": str(meta.get("model", ""))}  # fmt: skip
+        headers = {
+            "X-Embedding-Shape": shape,
+            "X-Embedding-Dtype": dtype,
+            "X-Model": str(meta.get("model", "")),
+        }
         return payload.tobytes(), headers
     if media == MSGPACK:
         tensor = {"dtype": dtype, "shape": list(payload.shape), "data": payload.tobytes()}

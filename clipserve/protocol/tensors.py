@@ -21,15 +21,18 @@ MAX_SHAPE_HEADER = 64  # four dimensions of up to 7 digits each, with room for s
 
 def check_count(n: int, max_items: int) -> None:
     if n > max_items:
-        raise TooManyItems(f"{n} images in one request; the limit is {max_items} "
-                           "(--max-items-per-request)")  # fmt: skip
+        raise TooManyItems(
+            f"{n} images in one request; the limit is {max_items} (--max-items-per-request)"
+        )
 
 
 def parse_shape(raw: str) -> list[int]:
     """'2,224,224,3' (a header) → [2, 224, 224, 3]."""
     if len(raw) > MAX_SHAPE_HEADER:
-        raise InvalidTensor(f"shape header of {len(raw)} characters; a rank-4 shape needs "
-                            f"at most {MAX_SHAPE_HEADER}")  # fmt: skip
+        raise InvalidTensor(
+            f"shape header of {len(raw)} characters; a rank-4 shape needs "
+            f"at most {MAX_SHAPE_HEADER}"
+        )
     try:
         return [int(part) for part in raw.replace(" ", "").strip("[]()").split(",") if part]
     except ValueError:
@@ -42,13 +45,19 @@ def expected_layout(dtype: str, size: tuple[int, int]) -> tuple[int, int, int]:
 
 
 def parse_tensor(
-    dtype: str, shape: Sequence[object], data: bytes, size: tuple[int, int], max_items: int
+    dtype: str,
+    shape: Sequence[object],
+    data: bytes | memoryview,
+    size: tuple[int, int],
+    max_items: int,
 ) -> np.ndarray:
+    """`data` as an array of `shape` (a view: nothing is copied), once dtype, shape and length
+    fit the model's layout; `size` is its (height, width)."""
     if dtype not in DTYPES:
         raise InvalidTensor(f"dtype {dtype!r} is not supported; use uint8, float16 or float32")
-    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+    dims = [d for d in shape if isinstance(d, int) and not isinstance(d, bool)]
+    if len(dims) != len(shape):
         raise InvalidTensor(f"shape {list(shape)} must hold integers")
-    dims = [int(d) for d in shape]  # type: ignore[call-overload]
     if len(dims) != 4:
         raise InvalidTensor(f"shape {dims} has rank {len(dims)}; expected 4 (a batch of images)")
     if any(d < 0 or d > MAX_DIM for d in dims):

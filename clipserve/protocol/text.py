@@ -32,8 +32,9 @@ def texts_from(protocol: str, body: bytes, max_texts: int, max_chars: int) -> li
     if not texts:
         raise InvalidText('"texts" is empty')
     if len(texts) > max_texts:
-        raise TooManyTexts(f"{len(texts)} texts in one request; the limit is {max_texts} "
-                           "(--max-items-per-request)")  # fmt: skip
+        raise TooManyTexts(
+            f"{len(texts)} texts in one request; the limit is {max_texts} (--max-items-per-request)"
+        )
     for index, text in enumerate(texts):
         if not isinstance(text, str):
             raise InvalidText(f"item {index}: expected a string, got {type(text).__name__}")
@@ -44,5 +45,6 @@ def texts_from(protocol: str, body: bytes, max_texts: int, max_chars: int) -> li
 def check_length(text: str, index: int, max_chars: int) -> None:
     """The one --max-text-chars check, for every route that takes texts."""
     if len(text) > max_chars:
-        raise TextTooLong(f"item {index}: {len(text)} characters; the limit is {max_chars} "
-                          "(--max-text-chars)")  # fmt: skip
+        raise TextTooLong(
+            f"item {index}: {len(text)} characters; the limit is {max_chars} (--max-text-chars)"
+        )

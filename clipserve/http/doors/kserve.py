@@ -7,28 +7,23 @@ one version, "1".
 
 from __future__ import annotations
 
-import functools
-from typing import Literal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
+from clipserve.batching.tower import TowerKind
 from clipserve.errors import ModelNotFound, UnsupportedMediaType
-from clipserve.http import pipeline
-from clipserve.http.pipeline import ImageWork, Pipeline, TextWork
-from clipserve.http.pipeline import Tower as Batching
+from clipserve.http import health
+from clipserve.http.door import inference_route
+from clipserve.http.pipeline import Pipeline, Serving, pipeline_of
+from clipserve.http.work import Embedded, Encoded, ImageWork, TextWork, Work
 from clipserve.protocol import kserve as codec
 from clipserve.protocol.media import JSON
-
-Tower = Literal["image", "text"]
-
-
-def render_error(status: int, code: str, message: str) -> Response:
-    """Triton's `{"error": "..."}`; tritonclient raises InferenceServerException with it."""
-    status = 400 if status == 422 else status
-    return Response(codec.encode_error(message), status, media_type=JSON)
 
 
 def _json(doc: object) -> Response:
@@ -40,27 +35,80 @@ def _empty(ok: bool) -> Response:
     return Response(status_code=200 if ok else 503)
 
 
-def _models(p: Pipeline) -> dict[str, Tower]:
-    name = p.runtime.model.name
+def _models(runtime: Serving) -> dict[str, TowerKind]:
+    name = runtime.model.name
     return {name: "image", name + codec.TEXT_SUFFIX: "text"}
 
 
-def _tower(request: Request) -> tuple[str, Tower]:
-    p = pipeline.of(request)
+def _model(request: Request) -> tuple[str, TowerKind]:
+    """The model the path names, and its tower (404 for any other model or version)."""
     name: str = request.path_params["name"]
-    models = _models(p)
+    models = _models(pipeline_of(request).runtime)
     if name not in models:
-        raise ModelNotFound(f"Request for unknown model: '{name}' is not found; this server "
-                            f"serves {', '.join(repr(m) for m in models)}")  # fmt: skip
+        served = ", ".join(repr(m) for m in models)
+        raise ModelNotFound(
+            f"Request for unknown model: '{name}' is not found; this server serves {served}"
+        )
     version = request.path_params.get("version", codec.VERSION)
     if version != codec.VERSION:
-        raise ModelNotFound(f"Request for unknown model: '{name}' version {version} is not "
-                            f"found; its only version is {codec.VERSION}")  # fmt: skip
+        raise ModelNotFound(
+            f"Request for unknown model: '{name}' version {version} is not found; its only "
+            f"version is {codec.VERSION}"
+        )
     return name, models[name]
 
 
-def _batcher(p: Pipeline, tower: Tower) -> Batching:
-    return p.batcher if tower == "image" else p.text_batcher
+@dataclass(frozen=True)
+class Infer:
+    """`POST /v2/models/{name}[/versions/{version}]/infer`: JSON, or JSON with binary tensor
+    data after it (`Inference-Header-Content-Length`)."""
+
+    runtime: Serving
+    name: str
+    tower: TowerKind
+    header_length: str | None
+    max_items: int
+    max_text_chars: int
+    inline: bool = False
+
+    @classmethod
+    def of(cls, request: Request, pipeline: Pipeline[Any]) -> Infer:
+        name, tower = _model(request)
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            raise UnsupportedMediaType(
+                f"Content-Encoding {encoding[:40]} is not supported; send the request uncompressed"
+            )
+        header_length = request.headers.get(codec.HEADER_LENGTH)
+        limits = pipeline.config.limits
+        max_items, max_chars = limits.max_items_per_request, limits.max_text_chars
+        return cls(pipeline.runtime, name, tower, header_length, max_items, max_chars)
+
+    def parse(self, body: bytes) -> Work[codec.InferRequest]:
+        parsed = codec.parse_infer_request(
+            body,
+            self.header_length,
+            tower=self.tower,
+            size=self.runtime.model.preprocess.size,
+            max_items=self.max_items,
+            max_text_chars=self.max_text_chars,
+        )
+        work = Work(parsed.protocol, parsed)
+        if self.tower == "text":
+            tokens = self.runtime.tokenize(parsed.texts)
+            work.texts = TextWork(parsed.protocol, parsed.texts, tokens)
+        else:
+            work.images = ImageWork(parsed.protocol, parsed.images, tensor=parsed.tensor)
+        return work
+
+    def encode(self, work: Work[codec.InferRequest], done: Embedded) -> Encoded:
+        completed = done.texts if self.tower == "text" else done.images
+        assert completed is not None
+        parsed = work.parsed
+        content, headers, media = codec.encode_infer_response(
+            completed.embeddings, model_name=self.name, request_id=parsed.id, outputs=parsed.outputs
+        )
+        return Encoded(content, media, headers)
 
 
 async def server_metadata(request: Request) -> Response:
@@ -69,68 +117,47 @@ async def server_metadata(request: Request) -> Response:
 
 async def live(request: Request) -> Response:
     """Like /healthz: false once a tower has no live worker (a lost device does not return)."""
-    p = pipeline.of(request)
-    return _empty(p.batcher.alive and p.text_batcher.alive)
+    return _empty(health.liveness(pipeline_of(request).towers).ok)
 
 
 async def ready(request: Request) -> Response:
     """Like /readyz: true while every worker of both towers is alive."""
-    p = pipeline.of(request)
-    return _empty(all(w.alive for w in [*p.batcher.workers, *p.text_batcher.workers]))
+    return _empty(health.readiness(pipeline_of(request).towers).ok)
 
 
 async def model_ready(request: Request) -> Response:
-    _, tower = _tower(request)
-    return _empty(all(w.alive for w in _batcher(pipeline.of(request), tower).workers))
+    _, tower = _model(request)
+    return _empty(health.tower_ready(pipeline_of(request).towers[tower]))
 
 
 async def model_metadata(request: Request) -> Response:
-    name, tower = _tower(request)
-    model = pipeline.of(request).runtime.model
+    name, tower = _model(request)
+    model = pipeline_of(request).runtime.model
     return _json(codec.model_metadata(name, tower, model.preprocess.size, model.embed_dim))
 
 
-async def infer(request: Request) -> Response:
-    name, tower = _tower(request)
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding != "identity":
-        raise UnsupportedMediaType(f"Content-Encoding {encoding[:40]} is not supported; send "
-                                   "the request uncompressed")  # fmt: skip
-    p = pipeline.of(request)
-    limits, header_length = p.config.limits, request.headers.get(codec.HEADER_LENGTH)
-    async with p.request(request) as ctx:
-        body = await p.read_body(request, ctx)
-        with ctx.timer.measure("decode"):  # parsing the body counts as decoding
-            parsed = await p.in_pool(functools.partial(
-                codec.parse_infer_request, body, header_length, tower=tower,
-                size=p.runtime.model.preprocess.size, max_items=limits.max_items_per_request,
-                max_text_chars=limits.max_text_chars,
-            ))  # fmt: skip
-        if tower == "text":
-            completed = await p.embed_texts(TextWork(parsed.protocol, parsed.texts), ctx)
-        else:
-            work = ImageWork(parsed.protocol, images=parsed.images, tensor=parsed.tensor)
-            completed = await p.embed_images(work, ctx)
-    with ctx.timer.measure("encode"):
-        content, headers, media = codec.encode_infer_response(
-            completed.embeddings, model_name=name, request_id=parsed.id, outputs=parsed.outputs
-        )
-    return p.respond(ctx, parsed.protocol, content, media, headers)
+class KServeDoor:
+    error_prefixes = ("/v2",)
 
+    def routes(self) -> Sequence[BaseRoute]:
+        model, version = "/v2/models/{name}", "/v2/models/{name}/versions/{version}"
+        per_model = [
+            route
+            for prefix in (model, version)
+            for route in (
+                Route(prefix, model_metadata, methods=["GET"]),
+                Route(prefix + "/ready", model_ready, methods=["GET"]),
+                inference_route(prefix + "/infer", Infer.of),
+            )
+        ]
+        return [
+            Route("/v2", server_metadata, methods=["GET"]),
+            Route("/v2/health/live", live, methods=["GET"]),
+            Route("/v2/health/ready", ready, methods=["GET"]),
+            *per_model,
+        ]
 
-_MODEL = "/v2/models/{name}"
-_VERSION = "/v2/models/{name}/versions/{version}"
-ROUTES = [
-    Route("/v2", server_metadata, methods=["GET"]),
-    Route("/v2/health/live", live, methods=["GET"]),
-    Route("/v2/health/ready", ready, methods=["GET"]),
-    *(
-        route
-        for prefix in (_MODEL, _VERSION)
-        for route in (
-            Route(prefix, model_metadata, methods=["GET"]),
-            Route(prefix + "/ready", model_ready, methods=["GET"]),
-            Route(prefix + "/infer", infer, methods=["POST"]),
-        )
-    ),
-]
+    def render_error(self, status: int, code: str, message: str) -> Response:
+        """Triton's `{"error": "..."}`; tritonclient raises InferenceServerException with it."""
+        status = 400 if status == 422 else status
+        return Response(codec.encode_error(message), status, media_type=JSON)

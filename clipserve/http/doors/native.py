@@ -1,17 +1,33 @@
-"""HTTP handlers for clipserve's own API: thin. Each picks its codec, then walks the pipeline."""
+"""clipserve's own API: `POST /embed` and `/embed/text`, `GET /info`, the probes and `/metrics`.
+
+Images come as JPEG/PNG/WebP bodies, multipart, msgpack, JSON or raw tensors (protocol/requests.py);
+answers as JSON, msgpack or raw float32/float16, chosen by `Accept`.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
 
+from clipserve.batching.tower import Completed, TowerKind
 from clipserve.errors import InvalidParameter
-from clipserve.http import pipeline
-from clipserve.http.pipeline import ImageWork, Pipeline, TextWork
+from clipserve.http import health
+from clipserve.http.door import inference_route
+from clipserve.http.pipeline import Pipeline, Serving, pipeline_of
+from clipserve.http.status import native_error
+from clipserve.http.work import Embedded, Encoded, ImageWork, TextWork, Work
 from clipserve.protocol.media import negotiate
 from clipserve.protocol.requests import ImageCodec, image_codec
 from clipserve.protocol.responses import RESPONSE_TYPES, encode_embeddings, out_dtype
 from clipserve.protocol.text import text_protocol, texts_from
+
+TENSOR_HEADERS = ("x-tensor-dtype", "x-tensor-shape")
 
 
 def _flag(request: Request, name: str, default: bool) -> bool:
@@ -26,71 +42,105 @@ def _flag(request: Request, name: str, default: bool) -> bool:
     raise InvalidParameter(f"query parameter {name}={raw[:40]!r}: expected true or false")
 
 
-async def _image_work(p: Pipeline, request: Request, codec: ImageCodec, body: bytes) -> ImageWork:
-    headers = request.headers
-    tensor_headers = {k: headers[k] for k in ("x-tensor-dtype", "x-tensor-shape") if k in headers}
-    args = (headers.get("content-type", ""), tensor_headers, body,
-            p.runtime.model.preprocess.size, p.config.limits.max_items_per_request)  # fmt: skip
-    payload = codec.parse(*args) if codec.inline else await p.in_pool(codec.parse, *args)
-    if payload.tensor is not None:
-        return ImageWork(payload.protocol, tensor=payload.tensor)
-    return ImageWork(payload.protocol, images=payload.images, single=payload.single)
+@dataclass(frozen=True)
+class Answer:
+    """What the client asked of the answer: its media type (`Accept`), `?dtype=`, `?normalize=`."""
 
+    media: str
+    dtype: str
+    normalize: bool
 
-async def _embed(request: Request, tower: str) -> Response:
-    """/embed and /embed/text: choose the codec, negotiate, read, admit, parse, embed, encode."""
-    p = pipeline.of(request)
-    content_type = request.headers.get("content-type", "")
-    if tower == "image":
-        codec = image_codec(content_type)  # 415 before the body is read
-    else:
-        protocol = text_protocol(content_type)
-    response_type = negotiate(request.headers.get("accept"), RESPONSE_TYPES)
-    normalize = _flag(request, "normalize", True)
-    dtype = out_dtype(request.query_params.get("dtype"))
-    limits = p.config.limits
-    async with p.request(request) as ctx:
-        body = await p.read_body(request, ctx)
-        # One place is admitted before parsing (the pool's backlog stays bounded by the queue);
-        # the pipeline grows it to the parsed request's size.
-        if tower == "image":
-            async with p.admitted(p.batcher, ctx) as admitted:
-                with ctx.timer.measure("decode"):  # parsing the body counts as decoding
-                    work = await _image_work(p, request, codec, body)
-                protocol, single = work.protocol, work.single
-                completed = await p.embed_images(work, ctx, normalize=normalize, admitted=admitted)
-        else:
-            async with p.admitted(p.text_batcher, ctx) as admitted:
-                with ctx.timer.measure("decode"):
-                    texts = await p.in_pool(texts_from, protocol, body,
-                                            limits.max_items_per_request,
-                                            limits.max_text_chars)  # fmt: skip
-                single = False
-                completed = await p.embed_texts(
-                    TextWork(protocol, texts), ctx, normalize=normalize, admitted=admitted
-                )
-    with ctx.timer.measure("encode"):
+    @classmethod
+    def of(cls, request: Request) -> Answer:
+        media = negotiate(request.headers.get("accept"), RESPONSE_TYPES)
+        normalize = _flag(request, "normalize", True)
+        return cls(media, out_dtype(request.query_params.get("dtype")), normalize)
+
+    def encode(self, runtime: Serving, completed: Completed | None, single: bool) -> Encoded:
+        assert completed is not None
+        meta = {"model": runtime.model.identity, "normalized": self.normalize}
         content, headers = encode_embeddings(
-            completed.embeddings,
-            single=single,
-            meta={"model": p.runtime.model.identity, "normalized": normalize},
-            media=response_type,
-            dtype=dtype,
+            completed.embeddings, single=single, meta=meta, media=self.media, dtype=self.dtype
         )
-    return p.respond(ctx, protocol, content, response_type, headers)
+        return Encoded(content, self.media, headers)
 
 
-async def embed(request: Request) -> Response:
-    return await _embed(request, "image")
+@dataclass(frozen=True)
+class EmbedImages:
+    """`POST /embed`: the codec is chosen by Content-Type before the body is read (415)."""
+
+    runtime: Serving
+    codec: ImageCodec
+    content_type: str
+    tensor_headers: dict[str, str]
+    answer: Answer
+    max_items: int
+    tower: TowerKind = "image"
+
+    @classmethod
+    def of(cls, request: Request, pipeline: Pipeline[Any]) -> EmbedImages:
+        headers = request.headers
+        content_type = headers.get("content-type", "")
+        codec = image_codec(content_type)
+        tensor_headers = {
+            k: headers[k] for k in ("x-tensor-dtype", "x-tensor-shape") if k in headers
+        }
+        limit = pipeline.config.limits.max_items_per_request
+        answer = Answer.of(request)
+        return cls(pipeline.runtime, codec, content_type, tensor_headers, answer, limit)
+
+    @property
+    def inline(self) -> bool:
+        return self.codec.inline
+
+    def parse(self, body: bytes) -> Work[bool]:
+        size = self.runtime.model.preprocess.size
+        payload = self.codec.parse(
+            self.content_type, self.tensor_headers, body, size, self.max_items
+        )
+        if payload.tensor is not None:
+            images = ImageWork(payload.protocol, tensor=payload.tensor)
+        else:
+            images = ImageWork(payload.protocol, payload.images, single=payload.single)
+        return Work(payload.protocol, images.single, images=images, normalize=self.answer.normalize)
+
+    def encode(self, work: Work[bool], done: Embedded) -> Encoded:
+        return self.answer.encode(self.runtime, done.images, single=work.parsed)
 
 
-async def embed_text(request: Request) -> Response:
-    return await _embed(request, "text")
+@dataclass(frozen=True)
+class EmbedTexts:
+    """`POST /embed/text`: {"texts": [...]} as JSON or msgpack; tokenised as it is parsed."""
+
+    runtime: Serving
+    protocol: str
+    answer: Answer
+    max_items: int
+    max_chars: int
+    tower: TowerKind = "text"
+    inline: bool = False
+
+    @classmethod
+    def of(cls, request: Request, pipeline: Pipeline[Any]) -> EmbedTexts:
+        protocol = text_protocol(request.headers.get("content-type", ""))  # 415 before the body
+        limits = pipeline.config.limits
+        answer = Answer.of(request)
+        runtime = pipeline.runtime
+        return cls(runtime, protocol, answer, limits.max_items_per_request, limits.max_text_chars)
+
+    def parse(self, body: bytes) -> Work[None]:
+        texts = texts_from(self.protocol, body, self.max_items, self.max_chars)
+        work = TextWork(self.protocol, texts, self.runtime.tokenize(texts))
+        return Work(self.protocol, None, texts=work, normalize=self.answer.normalize)
+
+    def encode(self, work: Work[None], done: Embedded) -> Encoded:
+        return self.answer.encode(self.runtime, done.texts, single=False)
 
 
 async def info(request: Request) -> Response:
-    state = pipeline.of(request)
-    model, runtime, b = state.runtime.model, state.runtime, state.config.batching
+    pipeline = pipeline_of(request)
+    model, runtime, config = pipeline.runtime.model, pipeline.runtime, pipeline.config
+    b, limits, http = config.batching, config.limits, config.http
     return JSONResponse(
         {
             "model": model.identity,
@@ -113,49 +163,56 @@ async def info(request: Request) -> Response:
             },
             "text": {
                 "context_length": model.context_length,
-                "max_text_chars": state.config.limits.max_text_chars,
+                "max_text_chars": limits.max_text_chars,
             },
             "limits": {
-                "max_body_bytes": state.config.limits.max_body_bytes,
-                "max_image_pixels": state.config.limits.max_image_pixels,
-                "max_image_aspect": state.config.limits.max_image_aspect,
-                "max_decode_bytes": state.config.limits.max_decode_bytes,
-                "max_items_per_request": state.config.limits.max_items_per_request,
-                "max_body_bytes_in_flight": state.config.limits.max_body_bytes_in_flight,
-                "request_timeout_s": state.config.limits.request_timeout_s,
-                "max_connections": state.config.http.max_connections,
-                "max_header_bytes": state.config.http.max_header_bytes,
-                "header_timeout_s": state.config.http.header_timeout_s,
+                "max_body_bytes": limits.max_body_bytes,
+                "max_image_pixels": limits.max_image_pixels,
+                "max_image_aspect": limits.max_image_aspect,
+                "max_decode_bytes": limits.max_decode_bytes,
+                "max_items_per_request": limits.max_items_per_request,
+                "max_body_bytes_in_flight": limits.max_body_bytes_in_flight,
+                "request_timeout_s": limits.request_timeout_s,
+                "max_connections": http.max_connections,
+                "max_header_bytes": http.max_header_bytes,
+                "header_timeout_s": http.header_timeout_s,
             },
         }
     )
 
 
 async def healthz(request: Request) -> Response:
-    """Liveness: fails once a tower has no live worker, so the orchestrator restarts the
-    process (a lost device does not come back by itself)."""
-    p = pipeline.of(request)
-    dead = [kind for kind, b in (("image", p.batcher), ("text", p.text_batcher)) if not b.alive]
-    if dead:
-        reason = "; ".join(f"{kind} tower: no live worker" for kind in dead)
-        return JSONResponse({"status": "failing", "reason": reason}, status_code=503)
+    """Liveness (see `health.Liveness`)."""
+    live = health.liveness(pipeline_of(request).towers)
+    if not live.ok:
+        return JSONResponse({"status": "failing", "reason": live.reason}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
 async def readyz(request: Request) -> Response:
-    state = pipeline.of(request)
-    workers = [*state.batcher.workers, *state.text_batcher.workers]
-    status = {
-        (w.device if w.kind == "image" else f"{w.kind}:{w.device}"): (
-            "ok" if w.alive else f"dead: {w.error}"
-        )
-        for w in workers
-    }
-    ready = all(w.alive for w in workers)
-    return JSONResponse({"ready": ready, "workers": status}, status_code=200 if ready else 503)
+    ready = health.readiness(pipeline_of(request).towers)
+    body = {"ready": ready.ok, "workers": ready.workers}
+    return JSONResponse(body, status_code=200 if ready.ok else 503)
 
 
 async def metrics(request: Request) -> Response:
-    from prometheus_client import CONTENT_TYPE_LATEST
+    return Response(pipeline_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    return Response(pipeline.of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+class NativeDoor:
+    """Every path no other door claims answers errors as {"error": {"code", "message"}}."""
+
+    error_prefixes = ("",)
+
+    def routes(self) -> Sequence[BaseRoute]:
+        return [
+            inference_route("/embed", EmbedImages.of),
+            inference_route("/embed/text", EmbedTexts.of),
+            Route("/info", info, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ]
+
+    def render_error(self, status: int, code: str, message: str) -> Response:
+        return native_error(status, code, message)

@@ -1,120 +1,129 @@
 """OpenAI-compatible routes: `POST /v1/embeddings`, `GET /v1/models[/{model}]`.
 
-Texts go to the text tower and images to the image tower, both through the pipeline; a list
-that mixes them runs both at once and is answered in input order.
+Texts go to the text tower and images to the image tower; a list that mixes them runs both at
+once and is answered in input order. Errors come in OpenAI's shape, so its clients raise their
+usual exceptions.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
-from clipserve.batching import Completed
+from clipserve.batching.tower import TowerKind
 from clipserve.errors import ModelNotFound
-from clipserve.http import pipeline
-from clipserve.http.pipeline import ImageWork, Pipeline, TextWork
+from clipserve.http.door import inference_route
+from clipserve.http.pipeline import Pipeline, Serving, pipeline_of
+from clipserve.http.work import Embedded, Encoded, ImageWork, TextWork, Work
 from clipserve.protocol import openai as codec
 from clipserve.protocol.media import JSON
 
-T = TypeVar("T")
 CREATED = 0  # OpenAI's `created` (a Unix time); a served checkpoint has no creation date
 # Statuses OpenAI uses where clipserve's own API says otherwise: a bad field (422 there) or an
 # input over a per-item limit is a 400 ("invalid request"); a body over the limit stays 413.
 _STATUS = {422: 400}
-_STATUS_OF_CODE = {"too_many_items": 400, "too_many_texts": 400, "text_too_long": 400,
-                   "image_too_large": 400}  # fmt: skip
+_PER_ITEM_LIMITS = ("too_many_items", "too_many_texts", "text_too_long", "image_too_large")
 
 
-def model_names(p: Pipeline) -> list[str]:
+def model_names(runtime: Serving) -> list[str]:
     """The served model's identity (name/weights), then its bare name as an alias."""
-    model = p.runtime.model
+    model = runtime.model
     return list(dict.fromkeys([model.identity, model.name]))
 
 
-def render_error(status: int, code: str, message: str) -> Response:
-    """Errors on /v1/ in OpenAI's shape, so its clients raise their usual exceptions."""
-    status = _STATUS_OF_CODE.get(code, _STATUS.get(status, status))
-    return Response(codec.encode_error(message, status, code), status, media_type=JSON)
+@dataclass(frozen=True)
+class Usage:
+    request: codec.EmbeddingsRequest
+    prompt_tokens: int  # CLIP tokens of the texts, one per image
 
 
-def _parse(p: Pipeline, body: bytes) -> tuple[codec.EmbeddingsRequest, np.ndarray | None, int]:
-    """Pool work: the request, its texts' tokens (once: they serve the model and the usage),
-    and the usage (CLIP tokens of the texts, one per image)."""
-    limits = p.config.limits
-    parsed = codec.parse_embeddings_request(
-        body, models=model_names(p), embed_dim=p.runtime.model.embed_dim,
-        max_items=limits.max_items_per_request, max_text_chars=limits.max_text_chars,
-    )  # fmt: skip
-    tokens = p.runtime.tokenize(parsed.texts) if parsed.texts else None
-    # The tokenizer pads with 0 and counts start/end tokens, like the model.
-    used = 0 if tokens is None else int(np.count_nonzero(tokens))
-    return parsed, tokens, used + len(parsed.images)
+@dataclass(frozen=True)
+class Embeddings:
+    """`POST /v1/embeddings`. The one place admitted before parsing is a text's (the usual
+    input); a request of images only gives it back and is admitted to the image tower."""
 
+    runtime: Serving
+    max_items: int
+    max_text_chars: int
+    tower: TowerKind = "text"
+    inline: bool = False
 
-async def _all(jobs: Sequence[Awaitable[T]]) -> list[T]:
-    """Await every job; the first failure cancels the others (their items leave the queue)."""
-    tasks = [asyncio.ensure_future(job) for job in jobs]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    for task in tasks:  # the failure itself, not a sibling's cancellation
-        error = None if task.cancelled() else task.exception()
-        if error is not None:
-            raise error
-    return [task.result() for task in tasks]
+    @classmethod
+    def of(cls, request: Request, pipeline: Pipeline[Any]) -> Embeddings:
+        limits = pipeline.config.limits
+        return cls(pipeline.runtime, limits.max_items_per_request, limits.max_text_chars)
 
-
-async def embeddings(request: Request) -> Response:
-    p = pipeline.of(request)
-    async with p.request(request) as ctx:
-        body = await p.read_body(request, ctx)
-        with ctx.timer.measure("decode"):
-            parsed, text_tokens, tokens = await p.in_pool(_parse, p, body)
+    def parse(self, body: bytes) -> Work[Usage]:
+        """The request and its texts' tokens, once: they serve the model and the usage."""
+        model = self.runtime.model
+        parsed = codec.parse_embeddings_request(
+            body,
+            models=model_names(self.runtime),
+            embed_dim=model.embed_dim,
+            max_items=self.max_items,
+            max_text_chars=self.max_text_chars,
+        )
         protocol = parsed.protocol
-        jobs: list[Awaitable[Completed]] = []
+        work = Work(protocol, Usage(parsed, len(parsed.images)))
         if parsed.texts:
-            jobs.append(p.embed_texts(TextWork(protocol, parsed.texts, text_tokens), ctx))
+            tokens = self.runtime.tokenize(parsed.texts)
+            # The tokenizer pads with 0 and counts start/end tokens, like the model.
+            used = int(np.count_nonzero(tokens)) + len(parsed.images)
+            work.parsed = Usage(parsed, used)
+            work.texts = TextWork(protocol, parsed.texts, tokens)
         if parsed.images:
-            work = ImageWork(protocol, images=parsed.images, positions=parsed.image_index)
-            jobs.append(p.embed_images(work, ctx))
-        completed = await _all(jobs)
-    with ctx.timer.measure("encode"):
-        indices = [i for i in (parsed.text_index, parsed.image_index) if i]
-        embedded = codec.merge(parsed.count, [
-            (index, c.embeddings) for index, c in zip(indices, completed, strict=True)
-        ])  # fmt: skip
+            work.images = ImageWork(protocol, parsed.images, positions=parsed.image_index)
+        return work
+
+    def encode(self, work: Work[Usage], done: Embedded) -> Encoded:
+        parsed = work.parsed.request
+        parts = [
+            (index, completed.embeddings)
+            for index, completed in (
+                (parsed.text_index, done.texts),
+                (parsed.image_index, done.images),
+            )
+            if completed is not None
+        ]
         content = codec.encode_embeddings_response(
-            embedded, model=parsed.model, encoding_format=parsed.encoding_format,
-            prompt_tokens=tokens,
-        )  # fmt: skip
-    return p.respond(ctx, protocol, content, JSON)
+            codec.merge(parsed.count, parts),
+            model=parsed.model,
+            encoding_format=parsed.encoding_format,
+            prompt_tokens=work.parsed.prompt_tokens,
+        )
+        return Encoded(content, JSON)
 
 
 async def list_models(request: Request) -> Response:
-    return Response(codec.encode_models(model_names(pipeline.of(request)), CREATED),
-                    media_type=JSON)  # fmt: skip
+    names = model_names(pipeline_of(request).runtime)
+    return Response(codec.encode_models(names, CREATED), media_type=JSON)
 
 
 async def get_model(request: Request) -> Response:
-    names = model_names(pipeline.of(request))
+    names = model_names(pipeline_of(request).runtime)
     model: str = request.path_params["model"]
     if model not in names:
-        raise ModelNotFound(f"The model {model!r} does not exist; this server serves "
-                            f"{', '.join(names)}")  # fmt: skip
+        served = ", ".join(names)
+        raise ModelNotFound(f"The model {model!r} does not exist; this server serves {served}")
     return Response(codec.encode_model(model, CREATED), media_type=JSON)
 
 
-ROUTES = [
-    Route("/v1/embeddings", embeddings, methods=["POST"]),
-    Route("/v1/models", list_models, methods=["GET"]),
-    Route("/v1/models/{model:path}", get_model, methods=["GET"]),
-]
+class OpenAIDoor:
+    error_prefixes = ("/v1/",)
+
+    def routes(self) -> Sequence[BaseRoute]:
+        return [
+            inference_route("/v1/embeddings", Embeddings.of),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        ]
+
+    def render_error(self, status: int, code: str, message: str) -> Response:
+        status = 400 if code in _PER_ITEM_LIMITS else _STATUS.get(status, status)
+        return Response(codec.encode_error(message, status, code), status, media_type=JSON)

@@ -1,0 +1,158 @@
+"""The cost section: CPU per request of every server process at saturation, beside the floor,
+JPEG decode measured offline as its own share, and a py-spy profile of each variant."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.common import rotated, say
+from bench.frontend.load import clean, client, requests_of, saturate, spread
+from bench.frontend.profile import profile
+from bench.frontend.servers import (
+    Server,
+    affinity,
+    clipserve,
+    fake_flags,
+    floor,
+    pinning,
+    split_cpus,
+    start_all,
+)
+from clipserve.inference.preprocess import ImageDecoder
+from clipserve.loadgen.payloads import ModelInput, Request
+
+Rows = list[dict[str, Any]]
+
+
+def decode_cost(jpegs: Sequence[Request], repeat: int = 60) -> float:
+    """CPU ms to decode one of the JPEGs to a 224x224 crop, here (as the server's pool would)."""
+    decoder = ImageDecoder(ModelInput.from_info({}).spec, 10**8)
+    decoder(jpegs[0].body)
+    t0 = time.process_time()
+    for i in range(repeat):
+        decoder(jpegs[i % len(jpegs)].body)
+    return (time.process_time() - t0) / repeat * 1000
+
+
+def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
+    server_cpus, client_cpus = split_cpus(a.client_cores)
+    kinds = {"tensor": requests_of("raw-tensor"), "jpeg": requests_of("jpeg")}
+    servers = [floor()] + [
+        clipserve(f"clipserve-w{n}", [*fake_flags(model), "--workers", str(n)])
+        for n in a.cost_workers
+    ]
+    if a.cost_before_tree:  # one process, as before issue 8 (its fake must know compute=0)
+        servers.append(clipserve("clipserve-before", fake_flags(model), a.cost_before_tree))
+    rows: Rows = []
+    threads = len(client_cpus or {0})
+    with contextlib.ExitStack() as stack, affinity(client_cpus):
+        up, skipped = start_all(stack, servers, server_cpus)
+        for r in up:  # warm-up: connections, caches, the batcher's first batches
+            for reqs in kinds.values():
+                saturate(r, reqs, 1.0, a.connections, threads)
+        decode: list[float] = []  # per round, on the server's cores between load points
+        for rnd in range(a.rounds):
+            with affinity(server_cpus):
+                decode.append(decode_cost(kinds["jpeg"]))
+            for r in rotated(up, rnd):
+                for kind, reqs in kinds.items():
+                    point = saturate(r, reqs, a.seconds, a.connections, threads)
+                    row = {"round": rnd, "payload": kind, **point}
+                    rows.append(row)
+                    say(
+                        f"cost round {rnd} {r.server.name} {kind}: "
+                        f"{row['requests_per_s']} req/s, "
+                        f"{row['server_cpu_ms_per_request']} CPU ms/req"
+                    )
+    summary = {
+        f"{r.server.name} {kind}": _summary(rows, r.server.name, kind, decode)
+        for r in up
+        for kind in kinds
+    }
+    profiles = {}
+    if a.profile_seconds > 0:
+        cpus = (server_cpus, client_cpus)
+        profiled = [s for s in servers[1:] if s.name not in skipped]
+        profiles = _profiles(a, profiled, cpus, {k: kinds[k] for k in a.profile_payloads})
+    return {
+        "pinning": pinning(server_cpus, client_cpus),
+        "client": client(),
+        "connections": a.connections,
+        "seconds_per_point": a.seconds,
+        "decode_cpu_ms_per_jpeg_offline": spread(decode),
+        "skipped": skipped,
+        "summary_medians": summary,
+        "rows": rows,
+        "profiles": profiles,
+    }
+
+
+def _summary(rows: Rows, server: str, kind: str, decode: list[float]) -> dict[str, Any]:
+    """One server's medians for one payload kind, over the rounds without failures; beside the
+    floor, the event loop's side: its CPU less the JPEG decode measured offline that round."""
+    mine = [x for x in rows if x["server"] == server and x["payload"] == kind and clean(x)]
+    floors = {x["round"]: x for x in rows if x["server"] == "floor" and x["payload"] == kind}
+    ms = [x["server_cpu_ms_per_request"] for x in mine]
+    entry: dict[str, Any] = {
+        "cpu_ms_per_request": spread(ms),
+        "requests_per_s": spread([x["requests_per_s"] for x in mine]),
+    }
+    if server == "floor":
+        return entry
+    own = [
+        x["server_cpu_ms_per_request"] - (decode[x["round"]] if kind == "jpeg" else 0) for x in mine
+    ]
+    over_floor = [
+        o / floors[x["round"]]["server_cpu_ms_per_request"] for o, x in zip(own, mine, strict=True)
+    ]
+    entry["event_loop_side_ms_per_request"] = spread(own)
+    entry["event_loop_side_over_floor"] = spread(over_floor)
+    roles = sorted({k for x in mine for k in x.get("cpu_ms_per_request_by_role", {})})
+    entry["cpu_ms_per_request_by_role"] = {
+        k: spread([x["cpu_ms_per_request_by_role"].get(k, 0.0) for x in mine]) for k in roles
+    }
+    entry["executor_wall_ms_per_request"] = spread(
+        [x.get("executor_wall_ms_per_request", 0.0) for x in mine]
+    )
+    if kind == "jpeg":
+        entry["decode_share_of_cpu"] = spread(
+            [decode[x["round"]] / x["server_cpu_ms_per_request"] for x in mine]
+        )
+    return entry
+
+
+def _profiles(
+    a: argparse.Namespace,
+    servers: list[Server],
+    cpus: tuple[set[int] | None, set[int] | None],
+    kinds: dict[str, list[Request]],
+) -> dict[str, Any]:
+    """A py-spy profile of each server at saturation, per payload kind; an error in place of
+    one that could not be taken."""
+    threads = len(cpus[1] or {0})
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for s in servers:
+            for kind, reqs in kinds.items():
+                say(f"profiling {s.name} {kind}")
+                point = functools.partial(
+                    saturate,
+                    reqs=reqs,
+                    seconds=a.profile_seconds,
+                    connections=a.connections,
+                    threads=threads,
+                )
+                path = Path(tmp) / f"{s.name}-{kind}.txt"
+                try:
+                    out[f"{s.name} {kind}"] = profile(s, cpus, point, path)
+                except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+                    out[f"{s.name} {kind}"] = {"error": str(e)}
+    return out

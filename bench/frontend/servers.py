@@ -1,0 +1,185 @@
+"""The servers under test, as process trees: started pinned (under py-spy when profiled), their
+processes told apart by role, their CPU time read, and this process pinned beside them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil  # type: ignore[import-untyped]
+
+from bench.common import REPO, say
+from clipserve.loadgen.procs import free_port, pin, wait_ready
+
+
+@dataclass
+class Server:
+    name: str
+    argv: list[str]  # after `python`, without --host/--port
+    cwd: Path = REPO
+    env: dict[str, str] | None = None
+    clipserve: bool = True
+    front_ends: int = 1
+
+
+@dataclass
+class Running:
+    server: Server
+    proc: subprocess.Popen[bytes]  # py-spy when profiled, else the server itself
+    root: psutil.Process  # the server's first process
+    url: str
+
+
+def clipserve(name: str, flags: Sequence[str], tree: Path | None = None) -> Server:
+    env = {**os.environ, "PYTHONPATH": str(tree)} if tree else None
+    n = int(flags[flags.index("--workers") + 1]) if "--workers" in flags else 1
+    argv = ["-m", "clipserve", *flags, "--log-level", "warning"]
+    return Server(name, argv, tree or REPO, env, front_ends=n)
+
+
+def floor() -> Server:
+    argv = ["-m", "uvicorn", "bench.frontend.floor:app", "--http", "httptools"]
+    return Server("floor", [*argv, "--log-level", "warning", "--no-access-log"], clipserve=False)
+
+
+def fake_flags(model: Path, *options: str) -> list[str]:
+    flags = ["--backend", "fake", "--pretrained", "none", "--model", str(model), "--gpus", "cpu"]
+    for o in ("compute=0", *options):
+        flags += ["--backend-option", o]
+    return flags
+
+
+def py_spy(profile: Path) -> list[str]:
+    """`py-spy record` of a command and its descendants, raw stacks per thread into `profile`."""
+    spy = str(Path(sys.executable).with_name("py-spy"))
+    options = ["--format", "raw", "--subprocesses", "--threads", "--rate", "200"]
+    return [spy, "record", *options, "-o", str(profile), "--"]
+
+
+@contextlib.contextmanager
+def start(
+    s: Server, cpus: set[int] | None, profile: Path | None = None, startup_s: float = 300
+) -> Iterator[Running]:
+    """The server on a free port, pinned to `cpus`; under `py-spy record` with `profile` (py-spy
+    may only trace its own descendants here, so it starts the server)."""
+    port = free_port()
+    cmd = [sys.executable, *s.argv, "--host", "127.0.0.1", "--port", str(port)]
+    if profile is not None:
+        cmd = py_spy(profile) + cmd
+    stdout = subprocess.DEVNULL if profile else None
+    proc = subprocess.Popen(cmd, cwd=s.cwd, env=s.env, preexec_fn=pin(cpus), stdout=stdout)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url, startup_s, s.name)
+        root = psutil.Process(proc.pid)
+        if profile is not None:
+            root = root.children()[0]
+        wait_front_ends(root, s.front_ends)
+        yield Running(s, proc, root, url)
+    finally:
+        _stop(proc, profile is not None)
+
+
+def _stop(proc: subprocess.Popen[bytes], profiled: bool) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(psutil.Error, IndexError):
+        # SIGTERM to the server, not py-spy: py-spy writes its profile once the server is gone.
+        target = psutil.Process(proc.pid).children()[0].pid if profiled else proc.pid
+        os.kill(target, signal.SIGTERM)
+    try:
+        proc.wait(150)  # py-spy writes its profile only once the whole tree is gone
+    except subprocess.TimeoutExpired:
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        proc.kill()
+        proc.wait()
+
+
+def start_all(
+    stack: contextlib.ExitStack, servers: Sequence[Server], cpus: set[int] | None
+) -> tuple[list[Running], dict[str, str]]:
+    """Every server that starts; the reason for each that does not (say, --workers 2 before the
+    engine exists) instead of ending the run."""
+    up, skipped = [], {}
+    for s in servers:
+        try:
+            up.append(stack.enter_context(start(s, cpus)))
+        except RuntimeError as e:
+            skipped[s.name] = str(e)
+            say(f"skipped {s.name}: {e}")
+    return up, skipped
+
+
+def _listens(p: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return any(c.status == psutil.CONN_LISTEN for c in p.net_connections("tcp"))
+    return False
+
+
+def role(p: psutil.Process, root: psutil.Process) -> str:
+    """What a server process is: a front end listens on the port; with --workers N > 1 the root
+    is the supervisor and the one other spawned child the engine."""
+    if p.pid == root.pid:
+        return "server" if _listens(p) else "supervisor"
+    with contextlib.suppress(psutil.Error):
+        if "resource_tracker" in " ".join(p.cmdline()):
+            return "resource tracker"
+    return "front end" if _listens(p) else "engine"
+
+
+def tree_cpu(root: psutil.Process) -> dict[int, tuple[float, str]]:
+    """CPU-seconds (user + system, all threads) of the process and every descendant now."""
+    out = {}
+    for p in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            out[p.pid] = (t.user + t.system, f"{role(p, root)} {p.pid}")
+    return out
+
+
+def wait_front_ends(root: psutil.Process, n: int, timeout_s: float = 120) -> None:
+    """/readyz answers once one front end is up; load waits for all `n` (SO_REUSEPORT assigns a
+    connection to the sockets bound when it opens, for its lifetime)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        procs = [root, *root.children(recursive=True)]
+        if sum(_listens(p) for p in procs) >= n:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{n} front ends not listening after {timeout_s:g} s")
+
+
+@contextlib.contextmanager
+def affinity(cpus: set[int] | None) -> Iterator[None]:
+    """This process (the load generator, and wrk as its child) on `cpus` for the block."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, old)
+
+
+def split_cpus(client_cores: int) -> tuple[set[int] | None, set[int] | None]:
+    """Server on the first cores, the load generator on the last `client_cores`."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) <= client_cores:
+        return None, None
+    return set(cores[:-client_cores]), set(cores[-client_cores:])
+
+
+def pinning(server_cpus: set[int] | None, client_cpus: set[int] | None) -> dict[str, list[int]]:
+    """The cores of each side, as the results record them."""
+    return {"server_cpus": sorted(server_cpus or []), "client_cpus": sorted(client_cpus or [])}

@@ -1,0 +1,68 @@
+"""The decoders section: nvJPEG (inference/gpu_decode.py) against Pillow on one core, 640x480
+JPEGs to 224x224 crops: how many cores of Pillow the device decoder stands for."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench.gpu_check.plan import Emit, Plan
+
+
+def rates(decode: Callable[[], int]) -> tuple[float, float]:
+    """Images per second of wall time and of this process's CPU time, for one call of
+    `decode` (which answers how many images it decoded)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    n = decode()
+    return n / (time.perf_counter() - wall), n / (time.process_time() - cpu)
+
+
+def section_decoders(plan: Plan, emit: Emit) -> dict[str, Any]:
+    """Pillow's draft path on one thread against the device decoder, in interleaved rounds;
+    per core = images per second of the CPU time the process spent."""
+    import torch
+
+    from bench.common import CLIP_SPEC
+    from bench.decoders import corpus
+    from clipserve.inference.gpu_decode import DeviceDecoder
+    from clipserve.inference.preprocess import ImageDecoder
+
+    torch.set_num_threads(1)
+    images = corpus(16)
+    batch = (images * 64)[: 32 if plan.quick else 256]
+    host = ImageDecoder(CLIP_SPEC, 40_000_000)
+    dev = DeviceDecoder(host, plan.device)
+    sync: Callable[[], None] = torch.cuda.synchronize if plan.cuda else (lambda: None)
+
+    def pillow() -> int:
+        for data in batch:
+            host(data)
+        return len(batch)
+
+    def device() -> int:
+        result = dev.decode(batch)
+        sync()
+        assert len(result.ok) == len(batch), result.errors
+        return len(batch)
+
+    rates(device)  # nvJPEG's handles and buffers, the resize kernels
+    rounds: dict[str, list[tuple[float, float]]] = {"pillow": [], "device": []}
+    for _ in range(3 if plan.quick else 9):
+        rounds["pillow"].append(rates(pillow))
+        rounds["device"].append(rates(device))
+    out: dict[str, Any] = {"input": "640x480 q90 JPEG -> 224x224", "batch": len(batch)}
+    for name, samples in rounds.items():
+        walls, cpus = [s[0] for s in samples], [s[1] for s in samples]
+        out[name] = {
+            "images_per_s": round(statistics.median(walls), 1),
+            "images_per_s_min": round(min(walls), 1),
+            "images_per_s_max": round(max(walls), 1),
+            "images_per_cpu_s": round(statistics.median(cpus), 1),
+        }
+    # How many cores of Pillow the device decoder stands for.
+    out["device_in_pillow_cores"] = round(
+        out["device"]["images_per_s"] / out["pillow"]["images_per_cpu_s"], 2
+    )
+    return out

@@ -1,0 +1,115 @@
+"""One batch on its device thread: stacking, the forward pass and L2 normalisation, and the
+bisection of a batch that fails, so that only the items that fail on their own are answered 500.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from clipserve.backends.base import Executor, l2_normalise_rows
+from clipserve.errors import (
+    ClipserveError,
+    ExecutorFailed,
+    ExecutorFatal,
+    NonFiniteEmbedding,
+    NotReady,
+)
+
+# A failing batch is split in halves, and failing halves again, this many times at most: enough
+# to isolate single items in batches of up to 256, and bounded when every item fails.
+MAX_SPLIT_DEPTH = 8
+LOST = "the device was lost before this image was computed; retry"
+# Rows the executor did not compute: the batch failed, or the device was lost under it.
+UNANSWERED = (ExecutorFailed, NotReady)
+
+
+@dataclass
+class Outcome:
+    """What the device thread made of one batch: per item, its row or the error to answer."""
+
+    rows: list[np.ndarray | ClipserveError]
+    retries: int = 0  # sub-batches run again after a failure
+    errors: list[Exception] = field(default_factory=list)  # executor failures, for the log
+    fatal: ExecutorFatal | None = None
+    device_s: float = 0.0  # the device's time on this batch, not counting waits behind others
+
+    @property
+    def clean(self) -> bool:
+        return not self.retries and not self.errors and self.fatal is None
+
+
+def compute(
+    executor: Executor, arrays: list[np.ndarray], mask: np.ndarray, failed: Exception | None = None
+) -> Outcome:
+    """Run `arrays` through `executor` on its device thread, rows L2-normalised where `mask` is
+    true. `failed`: the batch already failed whole (launched asynchronously); start by splitting."""
+    t0 = time.perf_counter()
+    outcome = Outcome([ExecutorFailed("internal error") for _ in arrays])
+    if isinstance(failed, ExecutorFatal):
+        outcome.fatal = failed
+        failed = None
+    _Bisection(executor, np.stack(arrays), mask, outcome).run(0, len(arrays), 0, failed)
+    outcome.device_s = time.perf_counter() - t0
+    return outcome
+
+
+@dataclass
+class _Bisection:
+    """A batch, run whole and then in halves where it fails, each result written into `outcome`
+    at its items' places."""
+
+    executor: Executor
+    batch: np.ndarray
+    mask: np.ndarray
+    outcome: Outcome
+
+    def run(self, start: int, stop: int, depth: int, failed: Exception | None = None) -> None:
+        """Items start..stop-1, `depth` splits down; `failed`: they failed together already."""
+        outcome = self.outcome
+        out: np.ndarray | None = None
+        if outcome.fatal is None and failed is None:
+            try:
+                out = self._forward(start, stop)
+            except ExecutorFatal as exc:
+                outcome.fatal = exc
+            except Exception as exc:  # CUDA out-of-memory included: smaller batches may fit
+                failed = exc
+        if outcome.fatal is not None:  # the device is gone: the rest may be computed elsewhere
+            outcome.rows[start:stop] = [NotReady(LOST) for _ in range(start, stop)]
+            return
+        if out is None:  # split outside the handler, so tracebacks do not chain
+            assert failed is not None
+            if stop - start == 1 or depth >= MAX_SPLIT_DEPTH:
+                outcome.errors.append(failed)
+                return
+            mid = start + (stop - start) // 2
+            outcome.retries += 2
+            self.run(start, mid, depth + 1)
+            self.run(mid, stop, depth + 1)
+            return
+        rows = rows_of(out)
+        outcome.rows[start : start + len(rows)] = rows
+
+    def _forward(self, start: int, stop: int) -> np.ndarray:
+        batch = self.batch[start:stop]
+        out = self.executor.run(batch)
+        check_shape(out, len(batch))
+        return l2_normalise_rows(np.asarray(out, dtype=np.float32), self.mask[start:stop])
+
+
+def check_shape(out: np.ndarray, size: int) -> None:
+    if out.ndim != 2 or out.shape[0] != size:
+        raise RuntimeError(f"executor returned shape {out.shape} for {size} images")
+
+
+def rows_of(out: np.ndarray) -> list[np.ndarray | ClipserveError]:
+    """One row per item; a row with NaN or infinity fails only its own item."""
+    rows: list[np.ndarray | ClipserveError] = list(out)
+    for i in np.flatnonzero(~np.isfinite(out).all(axis=1)):
+        rows[i] = NonFiniteEmbedding(
+            "the model produced non-finite values (NaN or infinity) for this input"
+        )
+    return rows

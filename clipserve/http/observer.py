@@ -1,0 +1,96 @@
+"""The outermost layer of every request: its id, its total time, its count, and the answers
+no route gives (a bad request id, an unhandled error, a request cut off by the drain)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from clipserve import errors
+from clipserve.http.status import ErrorPages
+from clipserve.metrics import Metrics
+
+log = logging.getLogger(__name__)
+MAX_REQUEST_ID = 128
+
+
+# Request ids made here: a random prefix per process and a counter. uuid4 read os.urandom per
+# request, 7% of the event loop's time on small requests (bench/frontend/profile.py).
+_ID_PREFIX = secrets.token_hex(6)
+_ID_COUNTER = itertools.count()
+
+
+def _new_request_id() -> str:
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
+
+
+def _valid_request_id(raw: bytes) -> bool:
+    """Visible ASCII only: it is echoed in a header and written to logs as it came."""
+    return 0 < len(raw) <= MAX_REQUEST_ID and all(0x21 <= b <= 0x7E for b in raw)
+
+
+class RequestObserver:
+    """The outermost layer of every request: assigns or checks the request id, adds
+    `X-Request-Id` and `Server-Timing` (with the total) to every answer, counts every response by
+    route and status, and answers 503 `shutting_down` to requests the drain timeout cancels."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, pages: ErrorPages) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.pages = pages
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        sent_id = dict(scope["headers"]).get(b"x-request-id")
+        valid_id = sent_id is None or _valid_request_id(sent_id)
+        request_id = sent_id.decode("ascii") if sent_id and valid_id else _new_request_id()
+        scope.setdefault("state", {})["request_id"] = request_id
+        status, started = 500, False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                status, started = message["status"], True
+                total = f"total;dur={(time.perf_counter() - t0) * 1000:.3f}"
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"server-timing"]
+                timing = [v for k, v in message.get("headers", []) if k == b"server-timing"]
+                stages = b", ".join([*timing, total.encode()])
+                ours = [(b"x-request-id", request_id.encode()), (b"server-timing", stages)]
+                message["headers"] = [*headers, *ours]
+            await send(message)
+
+        async def answer(status: int, code: str, message: str, retry_after: int | None) -> None:
+            response = self.pages.render(scope["path"], status, code, message, retry_after)
+            await response(scope, receive, send_wrapper)
+
+        try:
+            if not valid_id:
+                problem = f"X-Request-Id must be 1 to {MAX_REQUEST_ID} visible ASCII characters"
+                await answer(400, errors.InvalidHeader.code, problem, None)
+                return
+            await self.app(scope, receive, send_wrapper)
+        except Exception as exc:  # not a domain error: opaque 500, logged once with its id
+            log.error("unhandled error, request id %s", request_id, exc_info=exc)
+            if started:
+                raise
+            await answer(500, "internal", "internal error", None)
+        except asyncio.CancelledError:
+            # uvicorn cancels what is still running when --drain-timeout-s expires.
+            if started:
+                raise
+            log.warning("request %s cancelled: drain timeout expired", request_id)
+            problem = "server is shutting down; retry on another replica"
+            await answer(503, errors.ShuttingDown.code, problem, errors.ShuttingDown.retry_after_s)
+        finally:
+            # The matched route's template (one label for /v2/models/{name}/infer), else other.
+            route = getattr(scope.get("route"), "path", "other")
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.request_duration.labels(route).observe(time.perf_counter() - t0)

@@ -1,0 +1,89 @@
+"""One request's own state while the pipeline runs it: its deadline, its timer, its share of
+the body budget, and a watch on its connection."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+from starlette.types import Receive
+
+from clipserve.errors import InvalidHeader, Overloaded
+from clipserve.http.timing import StageTimer
+
+T = TypeVar("T")
+DEADLINE_HEADER = "x-request-timeout-ms"
+
+
+@dataclass
+class RequestContext:
+    """What the pipeline knows about one request while it runs."""
+
+    request_id: str
+    timer: StageTimer
+    deadline: float  # time.perf_counter() by which the answer must be ready
+    receive: Receive  # watched for a disconnect while the request waits for its batch
+    body_bytes: int = 0
+    reserved_bytes: int = 0  # share of --max-body-bytes-in-flight held until the request ends
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class BodyBudget:
+    """Bytes of request bodies held in memory across all requests; past it, 503 overloaded."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+
+    def reserve(self, n: int) -> None:
+        if self.used + n > self.capacity:
+            raise Overloaded(
+                f"request bodies in memory would exceed {self.capacity} bytes "
+                "(--max-body-bytes-in-flight); retry later"
+            )
+        self.used += n
+
+    def release(self, n: int) -> None:
+        self.used -= n
+
+
+async def _until_disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client goes away first (its items leave the queue)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        elif not task.cancelled():
+            task.exception()  # retrieved, even when our own cancellation wins the race
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+def request_timeout(headers: Mapping[str, str], server_timeout_s: float) -> float:
+    """The server's timeout, shortened by the client's `X-Request-Timeout-Ms` if it sent one."""
+    raw = headers.get(DEADLINE_HEADER)
+    if raw is None:
+        return server_timeout_s
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = float("nan")
+    if not ms > 0 or ms == float("inf"):
+        raise InvalidHeader(f"X-Request-Timeout-Ms: expected a positive number, got {raw[:40]!r}")
+    return min(ms / 1000, server_timeout_s)

@@ -1,0 +1,207 @@
+"""The one input tensor of a KServe v2 inference request → encoded images, texts or an array.
+
+An input's data comes as JSON `data` or, with Triton's binary tensor extension, as raw bytes
+(`binary_data_size` of them) after the JSON header. A BYTES element in binary is a 4-byte
+little-endian length and the bytes; in JSON, where strings must be text, an encoded image is its
+base64. Shapes and element counts are checked before any data is copied.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from clipserve.errors import InvalidBody, InvalidImage, InvalidTensor, InvalidText, TooManyTexts
+from clipserve.protocol.tensors import MAX_DIM, check_count, expected_layout, parse_tensor
+from clipserve.protocol.text import check_length
+
+if TYPE_CHECKING:
+    from clipserve.batching.tower import TowerKind
+
+NUMERIC = {"UINT8": "uint8", "FP16": "float16", "FP32": "float32"}  # datatype → numpy dtype
+LENGTH = struct.Struct("<I")  # a BYTES element's length prefix
+
+
+@dataclass(frozen=True)
+class InputTensor:
+    """The request's one input: its JSON description, and its bytes when sent in binary."""
+
+    spec: dict[str, Any]  # name, datatype, shape, parameters; `data` when sent in JSON
+    binary: memoryview | None  # None: the data is JSON
+
+    @property
+    def datatype(self) -> str:
+        return str(self.spec["datatype"])
+
+    @property
+    def dims(self) -> list[int]:
+        shape = self.spec.get("shape")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape
+        ):
+            raise InvalidTensor(f"shape {shape!r} must be a list of non-negative integers")
+        return [int(d) for d in shape]
+
+
+def input_tensor(doc: dict[str, Any], binary: memoryview) -> InputTensor:
+    """The request's one input, with the binary data after the JSON header if it names it."""
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+        count = len(inputs) if isinstance(inputs, list) else 0
+        raise InvalidBody(f'"inputs" must hold exactly one input tensor; got {count}')
+    spec: dict[str, Any] = inputs[0]
+    if not isinstance(spec.get("name"), str) or not isinstance(spec.get("datatype"), str):
+        raise InvalidBody('an input needs "name", "shape" and "datatype"')
+    params = spec.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InvalidBody('"parameters" of an input must be an object')
+    if "shared_memory_region" in params:
+        raise InvalidTensor("shared memory inputs are not supported; send the data in the body")
+    size = params.get("binary_data_size")
+    if size is None:
+        if binary:
+            raise InvalidBody(
+                "binary data after the JSON header, but no input has binary_data_size"
+            )
+        if "data" not in spec:
+            raise InvalidBody(f"input {spec['name']!r} has neither data nor binary_data_size")
+        return InputTensor(spec, None)
+    if isinstance(size, bool) or not isinstance(size, int) or size != len(binary):
+        raise InvalidBody(
+            f"binary_data_size {size!r} does not match the {len(binary)} bytes "
+            "after the JSON header"
+        )
+    return InputTensor(spec, binary)
+
+
+def _element_count(dims: list[int], max_items: int, tower: TowerKind) -> int:
+    """BYTES inputs hold one item per element: shape [N] or [N, 1]."""
+    if not (len(dims) == 1 or (len(dims) == 2 and dims[1] == 1)):
+        raise InvalidTensor(f"shape {dims}: BYTES inputs are [N] or [N, 1], one item each")
+    n = dims[0]
+    if n == 0:
+        raise InvalidTensor("the input holds no elements (shape [0])")
+    if tower == "text" and n > max_items:
+        raise TooManyTexts(
+            f"{n} texts in one request; the limit is {max_items} (--max-items-per-request)"
+        )
+    check_count(n, max_items)
+    return n
+
+
+def _binary_elements(raw: memoryview, n: int) -> list[bytes]:
+    """Triton's BYTES layout: each element a 4-byte little-endian length, then its bytes."""
+    elements: list[bytes] = []
+    offset = 0
+    while offset < len(raw):
+        if len(elements) == n:
+            raise InvalidTensor(f"BYTES data holds more than the {n} elements of its shape")
+        if offset + 4 > len(raw):
+            raise InvalidTensor(f"BYTES element {len(elements)}: truncated length prefix")
+        (size,) = LENGTH.unpack_from(raw, offset)
+        offset += 4
+        if offset + size > len(raw):
+            raise InvalidTensor(
+                f"BYTES element {len(elements)}: length {size} runs past the tensor's data"
+            )
+        elements.append(bytes(raw[offset : offset + size]))
+        offset += size
+    if len(elements) != n:
+        raise InvalidTensor(f"BYTES data holds {len(elements)} elements; the shape says {n}")
+    return elements
+
+
+def _json_strings(data: object, n: int) -> list[str]:
+    """JSON BYTES data: n strings, flat or nested one level ([N, 1])."""
+    if not isinstance(data, list):
+        raise InvalidTensor('"data" must be an array')
+    flat = [x[0] if isinstance(x, list) and len(x) == 1 else x for x in data]
+    if len(flat) != n:
+        raise InvalidTensor(f'"data" holds {len(flat)} elements; the shape says {n}')
+    for index, item in enumerate(flat):
+        if not isinstance(item, str):
+            raise InvalidTensor(f"element {index}: BYTES data in JSON must be strings")
+    return flat
+
+
+def images_of(tensor: InputTensor, max_items: int) -> list[bytes]:
+    """A BYTES input's encoded images."""
+    n = _element_count(tensor.dims, max_items, "image")
+    if tensor.binary is not None:
+        return _binary_elements(tensor.binary, n)
+    images = []
+    for index, item in enumerate(_json_strings(tensor.spec.get("data"), n)):
+        try:
+            images.append(base64.b64decode(item, validate=True))
+        except (binascii.Error, ValueError):
+            raise InvalidImage(
+                f"item {index}: in JSON, BYTES images must be base64 (or send binary data)"
+            ) from None
+    return images
+
+
+def texts_of(tensor: InputTensor, max_items: int, max_chars: int) -> list[str]:
+    """A BYTES input's UTF-8 texts."""
+    n = _element_count(tensor.dims, max_items, "text")
+    if tensor.binary is None:
+        texts = _json_strings(tensor.spec.get("data"), n)
+    else:
+        texts = []
+        for index, element in enumerate(_binary_elements(tensor.binary, n)):
+            try:
+                texts.append(element.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise InvalidText(f"item {index}: not UTF-8 text") from None
+    for index, text in enumerate(texts):
+        check_length(text, index, max_chars)
+    return texts
+
+
+def _check_image_shape(datatype: str, dims: list[int], size: tuple[int, int]) -> None:
+    """The model's layout for this datatype, checked before JSON data becomes an array."""
+    dtype = NUMERIC[datatype]
+    layout = expected_layout(dtype, size)
+    if len(dims) != 4 or tuple(dims[1:]) != layout or dims[0] == 0:
+        kind = "NHWC" if dtype == "uint8" else "NCHW"
+        raise InvalidTensor(
+            f"shape {dims} does not fit the model: {datatype} inputs are {kind} "
+            f"[N, {', '.join(map(str, layout))}]"
+        )
+
+
+def _json_values(data: object, datatype: str, dims: list[int]) -> memoryview:
+    """JSON numbers, checked against the datatype and shape, as the array's bytes."""
+    dtype = NUMERIC[datatype]
+    try:
+        values = np.asarray(data)
+    except (ValueError, TypeError):
+        raise InvalidTensor('"data" must be a flat or nested array of numbers') from None
+    integral = "iu" if dtype == "uint8" else "iuf"
+    if values.dtype.kind not in integral:
+        kind = "integers" if dtype == "uint8" else "numbers"
+        raise InvalidTensor(f'"data" of a {datatype} input must hold {kind}')
+    if values.size != math.prod(dims):
+        raise InvalidTensor(
+            f'"data" holds {values.size} values; shape {dims} needs {math.prod(dims)}'
+        )
+    if dtype == "uint8" and values.size and (values.min() < 0 or values.max() > 255):
+        raise InvalidTensor('"data" of a UINT8 input must be within 0..255')
+    return memoryview(values.astype(dtype).tobytes())
+
+
+def array_of(tensor: InputTensor, size: tuple[int, int], max_items: int) -> np.ndarray:
+    """A UINT8, FP16 or FP32 input as an array in the model's layout; `size` is its (height,
+    width). Binary data is not copied: the array is a view of the request body."""
+    dims, datatype = tensor.dims, tensor.datatype
+    _check_image_shape(datatype, dims, size)
+    check_count(dims[0], max_items)
+    raw = tensor.binary
+    if raw is None:
+        raw = _json_values(tensor.spec.get("data"), datatype, dims)
+    return parse_tensor(NUMERIC[datatype], dims, raw, size, max_items)
