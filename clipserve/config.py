@@ -38,6 +38,18 @@ class ModelConfig:
     cache_dir: str = _opt(
         str(Path.home() / ".cache" / "clipserve"), "where exported models and engines are kept"
     )
+    served_model_name: tuple[str, ...] = _opt(
+        (),
+        "the name clients call the model by (repeatable: aliases; the first names the answers): "
+        "OpenAI's model and KServe's image model; default: the model name (OpenAI: and "
+        "name/weights)",
+    )
+    served_text_model_name: tuple[str, ...] = _opt(
+        (), "KServe's text model (repeatable); default: each served model name + '-text'"
+    )
+    output_name: str = _opt(
+        "embedding", "KServe output holding the FP32 embedding; NAME_fp16 holds the FP16 one"
+    )
 
 
 @dataclass(frozen=True)
@@ -99,7 +111,13 @@ class LimitsConfig:
         256 * 1024 * 1024, "most memory decoding one image may take, estimated from its header"
     )
     max_items_per_request: int = _opt(64, "most images in one request")
-    max_text_chars: int = _opt(1000, "longest text in characters for /embed/text")
+    max_text_chars: int = _opt(1000, "longest text in characters, on every route")
+    truncate_text: bool = _opt(
+        False,
+        "texts over the model's context (77 tokens for CLIP) are cut to fit, as Infinity "
+        "does; default: refused with 400 (as OpenAI does); OpenAI's route also takes a "
+        'per-request "truncate": "END" or "NONE"',
+    )
     decode_workers: int = _opt(
         0, "threads decoding images; 0 = one per core (GPU) or per 8 cores (CPU inference)"
     )
@@ -295,6 +313,7 @@ def validate(config: ServerConfig) -> None:
     _require(lim.max_image_aspect >= 1, "max_image_aspect", "must be at least 1")
     _require(lim.max_decode_bytes >= 1 << 20, "max_decode_bytes", "must be at least 1 MiB")
     _require(lim.max_text_chars >= 1, "max_text_chars", "must be at least 1")
+    _check_names(config.model)
     _require(lim.max_items_per_request >= 1, "max_items_per_request", "must be at least 1")
     _require(
         lim.max_items_per_request <= b.max_queue_size,
@@ -330,6 +349,31 @@ def validate(config: ServerConfig) -> None:
     _require(h.header_timeout_s > 0, "header_timeout_s", "must be positive")
     _require(h.keep_alive_timeout_s > 0, "keep_alive_timeout_s", "must be positive")
     _require(h.linger_timeout_s >= 0, "linger_timeout_s", "must not be negative (0: no linger)")
+
+
+# What a served name may be: visible ASCII without spaces, up to 128 characters (slashes
+# included, as Hugging Face ids and NIM's "nvidia/nvclip" have).
+_NAME = re.compile(r"[!-~]{1,128}")
+
+
+def _check_names(m: ModelConfig) -> None:
+    for option, names in (
+        ("served_model_name", m.served_model_name),
+        ("served_text_model_name", m.served_text_model_name),
+        ("output_name", (m.output_name,)),
+    ):
+        for name in names:
+            _require(
+                _NAME.fullmatch(name) is not None,
+                option,
+                f"{name[:40]!r}: 1 to 128 visible ASCII characters, no spaces",
+            )
+        _require(len(set(names)) == len(names), option, "a name is given twice")
+    _require(
+        not set(m.served_model_name) & set(m.served_text_model_name),
+        "served_text_model_name",
+        "a name cannot serve both towers",
+    )
 
 
 def resolve_workers(requested: int) -> int:

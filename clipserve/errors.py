@@ -19,6 +19,12 @@ class InvalidImage(ClipserveError):
     code = "invalid_image"
 
 
+class ImageUrlRefused(InvalidImage):
+    """An image given as a URL: never fetched, and never embedded as the text it is."""
+
+    code = "image_url_not_fetched"
+
+
 class InvalidTensor(ClipserveError):
     code = "invalid_tensor"
 

@@ -61,6 +61,10 @@ def test_repeatable_option_from_flag_and_env() -> None:
         ({"header_timeout_s": "0"}, "--header-timeout-s"),
         ({"keep_alive_timeout_s": "0"}, "--keep-alive-timeout-s"),
         ({"linger_timeout_s": "-1"}, "--linger-timeout-s"),
+        ({"served_model_name": ["my model"]}, "--served-model-name: 'my model'"),
+        ({"served_model_name": ["a", "a"]}, "--served-model-name: a name is given twice"),
+        ({"served_model_name": ["a"], "served_text_model_name": ["a"]}, "both towers"),
+        ({"output_name": ""}, "--output-name"),
     ],
 )
 def test_invalid_values_name_the_flag(flags: dict[str, object], named: str) -> None:

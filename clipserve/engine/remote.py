@@ -110,8 +110,11 @@ class FrontRuntime:
             image_input=image_input,
         )
 
-    def tokenize(self, texts: list[str]) -> np.ndarray:
-        return self.model.tokenize(texts)
+    def tokenize(
+        self, texts: list[str], *, truncate: bool = True, positions: Sequence[int] | None = None
+    ) -> np.ndarray:
+        """CPU work: run it in the decode pool (see LoadedModel.tokenize)."""
+        return self.model.tokenize(texts, truncate=truncate, positions=positions)
 
     def decode_workers(self, requested: int) -> int:
         """0 = auto: this process's share of the cores when a GPU computes; one thread with CPU

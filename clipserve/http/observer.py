@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import secrets
 import time
 
@@ -17,6 +18,9 @@ from clipserve.metrics import Metrics
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_ID = 128
+
+# "{name:path}" is labelled "{name}": the converter is how a route matches, not what it is.
+_CONVERTER = re.compile(r"\{(\w+):\w+\}")
 
 
 # Request ids made here: a random prefix per process and a counter. uuid4 read os.urandom per
@@ -91,6 +95,6 @@ class RequestObserver:
             await answer(503, errors.ShuttingDown.code, problem, errors.ShuttingDown.retry_after_s)
         finally:
             # The matched route's template (one label for /v2/models/{name}/infer), else other.
-            route = getattr(scope.get("route"), "path", "other")
+            route = _CONVERTER.sub(r"{\1}", getattr(scope.get("route"), "path", "other"))
             self.metrics.requests.labels(route, str(status)).inc()
             self.metrics.request_duration.labels(route).observe(time.perf_counter() - t0)

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from clipserve.batching.tower import Completed, TicketT, Tower, TowerKind
 from clipserve.config import ServerConfig
 from clipserve.errors import ClipserveError, PayloadTooLarge, RequestTimeout, with_item_index
+from clipserve.http.names import ServedNames
 from clipserve.http.request import BodyBudget, RequestContext, request_timeout, unless_disconnected
 from clipserve.http.timing import StageTimer
 from clipserve.http.work import Call, Embedded, Encoded, ImageWork, Parsed, TextWork, Work
@@ -52,7 +53,9 @@ class Serving(Protocol):
     @property
     def precision(self) -> str: ...
 
-    def tokenize(self, texts: list[str]) -> np.ndarray: ...
+    def tokenize(
+        self, texts: list[str], *, truncate: bool = True, positions: Sequence[int] | None = None
+    ) -> np.ndarray: ...
 
     def decode_workers(self, requested: int) -> int: ...
 
@@ -85,6 +88,8 @@ class Pipeline(Generic[TicketT]):
     ) -> None:
         self.config = config
         self.runtime = runtime
+        model = runtime.model
+        self.names = ServedNames.of(config.model, model.name, model.identity)
         self.towers: dict[TowerKind, Tower[TicketT]] = {"image": image, "text": text}
         self.metrics = metrics
         self.decode_pool = decode_pool

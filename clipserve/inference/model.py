@@ -6,6 +6,7 @@ import functools
 import hashlib
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from clipserve.config import ModelConfig
-from clipserve.errors import StartupError
+from clipserve.errors import StartupError, TextTooLong
 from clipserve.inference.preprocess import PreprocessSpec
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,46 @@ class LoadedModel:
     context_length: int
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def tokenize(self, texts: list[str]) -> np.ndarray:
-        """CPU work: run it in the decode pool."""
+    def tokenize(
+        self,
+        texts: list[str],
+        *,
+        truncate: bool = True,
+        positions: Sequence[int] | None = None,
+    ) -> np.ndarray:
+        """Token ids (N, context_length), as the model reads them. A text over the context
+        is cut to fit (its last token the end token, as open_clip cuts it) where `truncate`,
+        else refused: TextTooLong naming its place (`positions[i]`, default i). CPU work: run
+        it in the decode pool."""
+        # One token more than the context: a text that fits leaves that column padding, so
+        # one call both tokenises and finds the texts that do not fit.
+        wide = self._tokenize(texts, self.context_length + 1)
+        pad = self._pad
+        over = np.flatnonzero(wide[:, -1] != pad)
+        if len(over) and not truncate:
+            where = int(over[0]) if positions is None else positions[int(over[0])]
+            raise TextTooLong(
+                f"item {where}: over the model's context of {self.context_length} tokens "
+                "(start and end tokens included); shorten it, or ask for truncation "
+                '(--truncate-text; OpenAI: "truncate": "END")'
+            )
+        ids = wide[:, :-1].copy()
+        ids[over, -1] = wide[over, -1]  # the end token, where the cut put it
+        return ids
+
+    def tokens_seen(self, ids: np.ndarray) -> int:
+        """Tokens the model reads in `tokenize`'s ids: up to each end token (the pad id is a
+        real token too, e.g. "!" in CLIP's BPE, so counting non-pad ids would miss some)."""
+        real = ids != self._pad
+        last = ids.shape[1] - np.argmax(real[:, ::-1], axis=1)  # one past the last real token
+        return int(np.where(real.any(axis=1), last, 0).sum())
+
+    @functools.cached_property
+    def _pad(self) -> int:
+        """The tokenizer's padding id: what follows the end token of an empty text."""
+        return int(self._tokenize([""], self.context_length)[0, -1])
+
+    def _tokenize(self, texts: list[str], context_length: int) -> np.ndarray:
         # open_clip's BPE cache keeps every distinct word it has seen (~6 KB each): a stream of
         # random words would grow it without bound, so it starts over past a fixed size.
         # The lock costs no parallelism (the tokenizer is pure Python, holding the GIL) and
@@ -45,7 +84,7 @@ class LoadedModel:
                 specials = {k: v for k, v in cache.items() if k == v}  # <start_of_text>, ...
                 cache.clear()
                 cache.update(specials)
-            tokens = self.tokenizer(texts)
+            tokens = self.tokenizer(texts, context_length=context_length)
         ids: np.ndarray = tokens.numpy().astype(np.int64, copy=False)
         return ids
 

@@ -20,6 +20,7 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from clipserve.config import LimitsConfig
 from clipserve.errors import ImageTooLarge, InvalidImage, StartupError
+from clipserve.protocol.urls import is_url, url_refused
 
 ACCEPTED_FORMATS = ("JPEG", "PNG", "WEBP")
 _RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
@@ -253,6 +254,8 @@ class ImageDecoder:
         any pixel is decoded; the image comes back opened, not loaded."""
         if not data:
             raise InvalidImage("empty image body")
+        if is_url(data):
+            raise url_refused()
         check_structure(data)
         try:
             img = Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS)

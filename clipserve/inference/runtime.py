@@ -66,9 +66,11 @@ class Runtime:
     device_decoders: list[DeviceDecoder] = field(default_factory=list)
     image_input: Callable[[bytes], np.ndarray] | None = None
 
-    def tokenize(self, texts: list[str]) -> np.ndarray:
-        """CPU work: run it in the decode pool."""
-        return self.model.tokenize(texts)
+    def tokenize(
+        self, texts: list[str], *, truncate: bool = True, positions: Sequence[int] | None = None
+    ) -> np.ndarray:
+        """CPU work: run it in the decode pool (see LoadedModel.tokenize)."""
+        return self.model.tokenize(texts, truncate=truncate, positions=positions)
 
     @property
     def devices(self) -> list[str]:

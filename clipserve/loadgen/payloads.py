@@ -18,7 +18,7 @@ import orjson
 
 from clipserve.inference.preprocess import ImageDecoder, PreprocessSpec
 from clipserve.loadgen.images import SourceImage, encode
-from clipserve.protocol.kserve import TEXT_SUFFIX, build_infer_request
+from clipserve.protocol.kserve import DEFAULT_OUTPUT, TEXT_SUFFIX, build_infer_request
 
 ACCEPT = {
     "json": "application/json",
@@ -53,7 +53,10 @@ class ModelInput:
     """What tensor payloads need to know about the model: from the server's `GET /info`."""
 
     spec: PreprocessSpec
-    name: str = "model"
+    name: str = "model"  # KServe's image model
+    text_name: str = "model" + TEXT_SUFFIX  # KServe's text model
+    openai_name: str = "model"
+    output: str = DEFAULT_OUTPUT  # KServe's FP32 output
 
     @classmethod
     def from_info(cls, info: Mapping[str, object]) -> ModelInput:
@@ -68,7 +71,15 @@ class ModelInput:
             (float(mean[0]), float(mean[1]), float(mean[2])),
             (float(std[0]), float(std[1]), float(std[2])),
         )
-        return cls(spec, str(info.get("model_name", "model")))
+        name = str(info.get("model_name", "model"))
+        names = info.get("names")  # the first of each list of --served-model-name and kin
+        if not isinstance(names, dict):
+            return cls(spec, name, name + TEXT_SUFFIX, name)
+        image, text, openai = (
+            str(names[key][0])
+            for key in ("served_model_names", "served_text_model_names", "openai_models")
+        )
+        return cls(spec, image, text, openai, str(names.get("kserve_output", DEFAULT_OUTPUT)))
 
 
 @dataclass(frozen=True)
@@ -233,38 +244,39 @@ def _data_uri(data: bytes) -> str:
 @register("openai-images", "POST /v1/embeddings, images as data: URIs (OpenAI's API)")
 def _openai_images(ctx: Context) -> Request:
     body = orjson.dumps(
-        {"model": ctx.model.name, "input": [_data_uri(d) for d in ctx.encoded_any()]}
+        {"model": ctx.model.openai_name, "input": [_data_uri(d) for d in ctx.encoded_any()]}
     )
     return Request("/v1/embeddings", body, ctx.headers("application/json"), len(ctx.images))
 
 
 @register("openai-texts", "POST /v1/embeddings, texts (OpenAI's API)", text=True)
 def _openai_texts(ctx: Context) -> Request:
-    body = orjson.dumps({"model": ctx.model.name, "input": _texts(ctx)})
+    body = orjson.dumps({"model": ctx.model.openai_name, "input": _texts(ctx)})
     return Request("/v1/embeddings", body, ctx.headers("application/json"), len(ctx.images))
 
 
-def _kserve(ctx: Context, built: tuple[bytes, dict[str, str]], suffix: str = "") -> Request:
-    """A request to the KServe route of the model (`suffix`: of its text model) from
+def _kserve(ctx: Context, built: tuple[bytes, dict[str, str]], text: bool = False) -> Request:
+    """A request to the KServe route of the image (or text) model from
     `build_infer_request`'s body and headers."""
     body, headers = built
-    path = f"/v2/models/{ctx.model.name}{suffix}/infer"
+    path = f"/v2/models/{ctx.model.text_name if text else ctx.model.name}/infer"
     return Request(path, body, {**headers, **ctx.extra_headers}, len(ctx.images))
 
 
 @register("kserve-images", "Open Inference Protocol (KServe v2), encoded images as BYTES")
 def _kserve_images(ctx: Context) -> Request:
-    return _kserve(ctx, build_infer_request(ctx.encoded_any()))
+    return _kserve(ctx, build_infer_request(ctx.encoded_any(), output=ctx.model.output))
 
 
 @register("kserve-tensor", "Open Inference Protocol (KServe v2), a tensor (--tensor-dtype)")
 def _kserve_tensor(ctx: Context) -> Request:
-    return _kserve(ctx, build_infer_request(tensor=ctx.tensor()))
+    return _kserve(ctx, build_infer_request(tensor=ctx.tensor(), output=ctx.model.output))
 
 
 @register("kserve-texts", "Open Inference Protocol (KServe v2), texts (the -text model)", text=True)
 def _kserve_texts(ctx: Context) -> Request:
-    return _kserve(ctx, build_infer_request(texts=_texts(ctx)), TEXT_SUFFIX)
+    built = build_infer_request(texts=_texts(ctx), output=ctx.model.output)
+    return _kserve(ctx, built, text=True)
 
 
 def build_requests(

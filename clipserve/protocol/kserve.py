@@ -39,14 +39,20 @@ if TYPE_CHECKING:
 HEADER_LENGTH = "Inference-Header-Content-Length"
 TEXT_SUFFIX = "-text"
 VERSION = "1"  # one version per model; Triton's clients ask for "" or "1"
-OUTPUTS = {"embedding": "<f4", "embedding_fp16": "<f2"}  # name → little-endian numpy dtype
-OUTPUT_TYPES = {"embedding": "FP32", "embedding_fp16": "FP16"}
-DEFAULT_OUTPUT = "embedding"
+DEFAULT_OUTPUT = "embedding"  # --output-name
+DTYPES = {"FP32": "<f4", "FP16": "<f2"}  # output datatype → little-endian numpy dtype
+
+
+def output_types(output: str) -> dict[str, str]:
+    """The outputs of either model, by name: `output` (--output-name) holds the FP32
+    embedding, `output`_fp16 the same in FP16."""
+    return {output: "FP32", output + "_fp16": "FP16"}
 
 
 @dataclass(frozen=True)
 class RequestedOutput:
     name: str
+    datatype: str
     binary: bool
 
 
@@ -81,22 +87,23 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     return body[: int(raw)], memoryview(body)[int(raw) :]
 
 
-def _outputs(doc: dict[str, Any]) -> list[RequestedOutput]:
+def _outputs(doc: dict[str, Any], output: str) -> list[RequestedOutput]:
+    types = output_types(output)
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidBody('"parameters" must be an object')
     all_binary = params.get("binary_data_output") is True
     requested = doc.get("outputs")
     if not requested:  # none named: the FP32 embedding (see model metadata for the FP16 one)
-        return [RequestedOutput(DEFAULT_OUTPUT, all_binary)]
+        return [RequestedOutput(output, types[output], all_binary)]
     if not isinstance(requested, list):
         raise InvalidBody('"outputs" must be an array')
     outputs: list[RequestedOutput] = []
     for spec in requested:
         name = spec.get("name") if isinstance(spec, dict) else None
-        if not isinstance(name, str) or name not in OUTPUTS:
+        if not isinstance(name, str) or name not in types:
             raise InvalidTensor(
-                f"unexpected inference output {name!r}; the outputs are {', '.join(OUTPUTS)}"
+                f"unexpected inference output {name!r}; the outputs are {', '.join(types)}"
             )
         if any(o.name == name for o in outputs):
             raise InvalidTensor(f"output {name!r} requested twice")
@@ -107,7 +114,7 @@ def _outputs(doc: dict[str, Any]) -> list[RequestedOutput]:
             if unsupported in out_params:
                 raise InvalidTensor(f"output {name!r}: {unsupported} is not supported")
         binary = out_params.get("binary_data", all_binary)
-        outputs.append(RequestedOutput(name, binary is True))
+        outputs.append(RequestedOutput(name, types[name], binary is True))
     return outputs
 
 
@@ -133,9 +140,12 @@ def parse_infer_request(
     size: tuple[int, int],
     max_items: int,
     max_text_chars: int,
+    output: str = DEFAULT_OUTPUT,
+    truncate: bool = False,
 ) -> InferRequest:
     """Validate an inference request for the image or text model; `size` is the model's
-    (height, width). Shapes and element counts are checked before any data is copied."""
+    (height, width), `output` the FP32 output's name. Shapes and element counts are checked
+    before any data is copied."""
     header, binary = split_body(body, header_length)
     _check_containers(header, max_items, size)
     try:
@@ -147,7 +157,7 @@ def parse_infer_request(
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidBody('"id" must be a string')
-    outputs = _outputs(doc)
+    outputs = _outputs(doc, output)
     tensor = input_tensor(doc, binary)
     datatype = tensor.datatype
     suffix = "" if tensor.binary is not None else "-json"
@@ -155,7 +165,7 @@ def parse_infer_request(
     if tower == "text":
         if datatype != "BYTES":
             raise InvalidTensor(f"datatype {datatype}: the text model takes BYTES (UTF-8 text)")
-        request.texts = texts_of(tensor, max_items, max_text_chars)
+        request.texts = texts_of(tensor, max_items, max_text_chars, truncate)
         request.protocol = "kserve-text" + suffix
     elif datatype == "BYTES":
         request.images = images_of(tensor, max_items)
@@ -182,10 +192,10 @@ def encode_infer_response(
     entries: list[dict[str, Any]] = []
     blobs: list[bytes] = []
     for output in outputs:
-        values = embeddings.astype(OUTPUTS[output.name], copy=False)
+        values = embeddings.astype(DTYPES[output.datatype], copy=False)
         entry: dict[str, Any] = {
             "name": output.name,
-            "datatype": OUTPUT_TYPES[output.name],
+            "datatype": output.datatype,
             "shape": list(values.shape),
         }
         if output.binary:
@@ -215,7 +225,7 @@ def server_metadata() -> dict[str, Any]:
 
 
 def model_metadata(
-    name: str, tower: TowerKind, size: tuple[int, int], embed_dim: int
+    name: str, tower: TowerKind, size: tuple[int, int], embed_dim: int, output: str
 ) -> dict[str, Any]:
     """What `GET /v2/models/{name}` answers. The image model lists each input it accepts; a
     request sends exactly one of them."""
@@ -229,7 +239,10 @@ def model_metadata(
             {"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, h, w]},
             {"name": "pixel_values_fp16", "datatype": "FP16", "shape": [-1, 3, h, w]},
         ]
-    outputs = [{"name": n, "datatype": OUTPUT_TYPES[n], "shape": [-1, embed_dim]} for n in OUTPUTS]
+    outputs = [
+        {"name": n, "datatype": t, "shape": [-1, embed_dim]}
+        for n, t in output_types(output).items()
+    ]
     return {
         "name": name,
         "versions": [VERSION],
@@ -237,6 +250,14 @@ def model_metadata(
         "inputs": inputs,
         "outputs": outputs,
     }
+
+
+def repository_index(models: dict[str, bool]) -> list[dict[str, str]]:
+    """`POST /v2/repository/index`, as Triton answers it: every model, ready or not."""
+    return [
+        {"name": name, "version": VERSION, "state": "READY" if ready else "UNAVAILABLE"}
+        for name, ready in models.items()
+    ]
 
 
 def serialize_bytes(elements: Sequence[bytes]) -> bytes:

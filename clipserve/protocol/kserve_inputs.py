@@ -17,9 +17,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from clipserve.errors import InvalidBody, InvalidImage, InvalidTensor, InvalidText, TooManyTexts
+from clipserve.errors import (
+    InvalidBody,
+    InvalidImage,
+    InvalidTensor,
+    InvalidText,
+    TooManyTexts,
+    with_item_index,
+)
 from clipserve.protocol.tensors import MAX_DIM, check_count, expected_layout, parse_tensor
 from clipserve.protocol.text import check_length
+from clipserve.protocol.urls import is_url, url_refused
 
 if TYPE_CHECKING:
     from clipserve.batching.tower import TowerKind
@@ -137,6 +145,8 @@ def images_of(tensor: InputTensor, max_items: int) -> list[bytes]:
         return _binary_elements(tensor.binary, n)
     images = []
     for index, item in enumerate(_json_strings(tensor.spec.get("data"), n)):
+        if is_url(item):
+            raise with_item_index(url_refused(), index)
         try:
             images.append(base64.b64decode(item, validate=True))
         except (binascii.Error, ValueError):
@@ -146,7 +156,9 @@ def images_of(tensor: InputTensor, max_items: int) -> list[bytes]:
     return images
 
 
-def texts_of(tensor: InputTensor, max_items: int, max_chars: int) -> list[str]:
+def texts_of(
+    tensor: InputTensor, max_items: int, max_chars: int, truncate: bool = False
+) -> list[str]:
     """A BYTES input's UTF-8 texts."""
     n = _element_count(tensor.dims, max_items, "text")
     if tensor.binary is None:
@@ -158,9 +170,7 @@ def texts_of(tensor: InputTensor, max_items: int, max_chars: int) -> list[str]:
                 texts.append(element.decode("utf-8"))
             except UnicodeDecodeError:
                 raise InvalidText(f"item {index}: not UTF-8 text") from None
-    for index, text in enumerate(texts):
-        check_length(text, index, max_chars)
-    return texts
+    return [check_length(text, index, max_chars, truncate) for index, text in enumerate(texts)]
 
 
 def _check_image_shape(datatype: str, dims: list[int], size: tuple[int, int]) -> None:

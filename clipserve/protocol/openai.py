@@ -1,10 +1,12 @@
 """OpenAI's embeddings API (`POST /v1/embeddings`): request bodies → texts and encoded images,
 embeddings → the response body. Pure: bytes in, bytes out; no Starlette.
 
-`input` is a string or a list of strings. A string is an image when it is a `data:image/...;base64,`
-URI or bare base64 of a JPEG, PNG or WebP file (the convention Infinity and vLLM use for CLIP);
-anything else is text for the text tower. Token arrays (lists of ints) are refused: they would be
-another tokenizer's ids, meaningless to CLIP's.
+`input` is a string or a list of strings. Without `modality`, a string is an image when it is a
+`data:image/...;base64,` URI or bare base64 of a JPEG, PNG or WebP file (the convention Infinity
+and vLLM use for CLIP), an image URL (refused: not fetched) when it is one http(s) URL, and
+text otherwise. Infinity's `modality` says it for the whole request: "text" (every string is
+text, data URIs and URLs included) or "image" (every string must be an image). Token arrays
+(lists of ints) are refused: they would be another tokenizer's ids, meaningless to CLIP's.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from clipserve.errors import (
     InvalidText,
     ModelNotFound,
     TooManyItems,
+    with_item_index,
 )
 from clipserve.protocol.requests import loads_json
 from clipserve.protocol.text import check_length
+from clipserve.protocol.urls import is_url, url_refused
 
 ENCODING_FORMATS = ("float", "base64")
 # Base64 of the first bytes of each format the decoder reads: JPEG FF D8 FF, PNG 89 50 4E 47 0D 0A
@@ -35,7 +39,11 @@ ENCODING_FORMATS = ("float", "base64")
 IMAGE_B64_PREFIXES = ("/9j/", "iVBORw0KGg", "UklGR")
 
 
-FIELDS = ("input", "model", "encoding_format", "dimensions", "user")
+FIELDS = ("input", "model", "encoding_format", "dimensions", "user", "modality", "truncate")
+MODALITIES = ("text", "image")  # Infinity's; its "audio" is not served
+# NIM's `truncate`: "NONE" refuses a text over the context, "END" cuts its end off. "START"
+# (keep the end) is not offered: CLIP's end token carries the text's embedding.
+TRUNCATE = {"NONE": False, "END": True}
 # Codes of the errors that point at `input`.
 INPUT_CODES = (
     "invalid_text",
@@ -44,6 +52,7 @@ INPUT_CODES = (
     "too_many_texts",
     "invalid_image",
     "image_too_large",
+    "image_url_not_fetched",
 )
 # Which request field an error's code points at, for the `param` of OpenAI's error body.
 PARAM_OF_CODE = {
@@ -68,6 +77,7 @@ class EmbeddingsRequest:
     model: str
     encoding_format: str
     count: int
+    truncate: bool
     texts: list[str] = field(default_factory=list)
     text_index: list[int] = field(default_factory=list)
     images: list[bytes] = field(default_factory=list)
@@ -90,6 +100,8 @@ def _decode_b64(data: str, index: int) -> bytes:
 
 def _image_of(item: str, index: int) -> bytes | None:
     """The encoded image a string carries, or None if it is text."""
+    if is_url(item):
+        raise with_item_index(url_refused(), index)
     if item[:5].lower() == "data:":
         head, sep, data = item.partition(",")
         if not sep:
@@ -143,6 +155,32 @@ def _options(doc: dict[str, Any], embed_dim: int) -> str:
     return str(encoding)
 
 
+def _modality(doc: dict[str, Any]) -> str | None:
+    modality = doc.get("modality")
+    if modality is None:
+        return None
+    if not isinstance(modality, str) or modality.lower() not in MODALITIES:
+        raise InvalidField(
+            f"modality {str(modality)[:40]!r} is not served; use 'text' or 'image' (or leave it "
+            "out: data URIs and base64 images are images, other strings text)",
+            "modality",
+        )
+    return modality.lower()
+
+
+def _truncate(doc: dict[str, Any], default: bool) -> bool:
+    truncate = doc.get("truncate")
+    if truncate is None:
+        return default
+    if not isinstance(truncate, str) or truncate.upper() not in TRUNCATE:
+        raise InvalidField(
+            f"truncate {str(truncate)[:40]!r} is not supported; use 'NONE' (refuse a text over "
+            "the model's context) or 'END' (cut it to fit)",
+            "truncate",
+        )
+    return TRUNCATE[truncate.upper()]
+
+
 def _inputs(doc: dict[str, Any], max_items: int) -> list[str]:
     if "input" not in doc:
         raise InvalidField('the body needs "input": a string or a list of strings', "input")
@@ -176,27 +214,35 @@ def parse_embeddings_request(
     embed_dim: int,
     max_items: int,
     max_text_chars: int,
+    truncate: bool = False,
 ) -> EmbeddingsRequest:
     """Validate a request body; `models` are the names the served model answers to, the first
-    being the one a request without `model` gets. Counts and lengths are checked before any
-    base64 is decoded."""
+    being the one a request without `model` gets; `truncate` is the server's default for a
+    request without "truncate". Counts and lengths are checked before any base64 is
+    decoded."""
     doc = loads_json(body, max_items)  # counts values before building any
     if not isinstance(doc, dict):
         raise InvalidBody("the body must be a JSON object")
     model = _model(doc, models)
     encoding = _options(doc, embed_dim)
+    modality = _modality(doc)
+    truncate = _truncate(doc, truncate)
     items = _inputs(doc, max_items)
-    request = EmbeddingsRequest(model, encoding, len(items))
+    request = EmbeddingsRequest(model, encoding, len(items), truncate)
     for index, item in enumerate(items):
-        image = _image_of(item, index)
+        image = None if modality == "text" else _image_of(item, index)
         if image is not None:
             request.images.append(image)
             request.image_index.append(index)
             continue
+        if modality == "image":
+            raise InvalidImage(
+                f"item {index}: not an image, and modality is 'image': send a "
+                "data:image/...;base64, URI or base64 of a JPEG, PNG or WebP file"
+            )
         if not item:
             raise InvalidText(f"item {index}: empty string")
-        check_length(item, index, max_text_chars)
-        request.texts.append(item)
+        request.texts.append(check_length(item, index, max_text_chars, truncate))
         request.text_index.append(index)
     return request
 

@@ -13,10 +13,17 @@ import msgpack
 import numpy as np
 import orjson
 
-from clipserve.errors import ClipserveError, InvalidBody, TooManyItems, UnsupportedMediaType
+from clipserve.errors import (
+    ClipserveError,
+    InvalidBody,
+    TooManyItems,
+    UnsupportedMediaType,
+    with_item_index,
+)
 from clipserve.protocol.media import JSON, media_type
 from clipserve.protocol.multipart import parse_files
 from clipserve.protocol.tensors import check_count, parse_shape, parse_tensor
+from clipserve.protocol.urls import is_url, url_refused
 
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp")
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
@@ -196,6 +203,8 @@ def _json(r: RequestBody) -> Payload:
     _count(len(doc["images"]), r.max_items)
     images = []
     for index, item in enumerate(doc["images"]):
+        if isinstance(item, str) and is_url(item):
+            raise with_item_index(url_refused(), index)
         try:
             images.append(base64.b64decode(item, validate=True))
         except (binascii.Error, TypeError, ValueError):

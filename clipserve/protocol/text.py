@@ -16,11 +16,15 @@ def text_protocol(content_type: str | None) -> str:
     return "text-json" if media == JSON else "text-msgpack"
 
 
-def parse_texts(content_type: str, body: bytes, max_texts: int, max_chars: int) -> list[str]:
-    return texts_from(text_protocol(content_type), body, max_texts, max_chars)
+def parse_texts(
+    content_type: str, body: bytes, max_texts: int, max_chars: int, *, truncate: bool = False
+) -> list[str]:
+    return texts_from(text_protocol(content_type), body, max_texts, max_chars, truncate=truncate)
 
 
-def texts_from(protocol: str, body: bytes, max_texts: int, max_chars: int) -> list[str]:
+def texts_from(
+    protocol: str, body: bytes, max_texts: int, max_chars: int, *, truncate: bool = False
+) -> list[str]:
     """The texts of a body whose Content-Type `text_protocol` has checked already."""
     if protocol == "text-json":
         doc = loads_json(body, max_texts, TooManyTexts)
@@ -38,13 +42,16 @@ def texts_from(protocol: str, body: bytes, max_texts: int, max_chars: int) -> li
     for index, text in enumerate(texts):
         if not isinstance(text, str):
             raise InvalidText(f"item {index}: expected a string, got {type(text).__name__}")
-        check_length(text, index, max_chars)
-    return texts
+    return [check_length(text, index, max_chars, truncate) for index, text in enumerate(texts)]
 
 
-def check_length(text: str, index: int, max_chars: int) -> None:
-    """The one --max-text-chars check, for every route that takes texts."""
-    if len(text) > max_chars:
-        raise TextTooLong(
-            f"item {index}: {len(text)} characters; the limit is {max_chars} (--max-text-chars)"
-        )
+def check_length(text: str, index: int, max_chars: int, truncate: bool = False) -> str:
+    """The one --max-text-chars check, for every route that takes texts: the text, or with
+    `truncate` its first `max_chars` characters (the tokenizer then cuts it to the context)."""
+    if len(text) <= max_chars:
+        return text
+    if truncate:
+        return text[:max_chars]
+    raise TextTooLong(
+        f"item {index}: {len(text)} characters; the limit is {max_chars} (--max-text-chars)"
+    )

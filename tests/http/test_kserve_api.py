@@ -206,7 +206,7 @@ def test_errors_are_triton_style(
 
 
 def test_unknown_v2_path_and_compressed_body_answer_triton_errors(server: RunningServer) -> None:
-    r = httpx.get(server.url + "/v2/repository/index")
+    r = httpx.post(server.url + "/v2/repository/models/x/load")  # model control: not offered
     assert r.status_code == 404 and isinstance(r.json()["error"], str)
     body, headers = kserve.build_infer_request([b"x"])
     r = httpx.post(

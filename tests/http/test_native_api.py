@@ -259,7 +259,7 @@ def test_info_health_and_metrics(serve: Serve) -> None:
     assert info["backend"] == "torch" and info["precision"] == "fp32"
     assert info["devices"] == ["cpu"] and info["batching"]["max_batch_size"] == 4
     assert info["mean"] == pytest.approx([0.48145466, 0.4578275, 0.40821073])
-    assert info["text"] == {"context_length": 77, "max_text_chars": 1000}
+    assert info["text"] == {"context_length": 77, "max_text_chars": 1000, "truncate": False}
     assert httpx.get(server.url + "/healthz").json() == {"status": "ok"}
     assert httpx.get(server.url + "/readyz").json()["ready"] is True
     post(server, marked_png(1))

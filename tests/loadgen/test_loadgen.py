@@ -80,7 +80,9 @@ def test_counts_and_percentiles_match_the_server(serve: Serve) -> None:
 
 
 def test_every_payload_kind_is_served(serve: Serve) -> None:
-    server = serve(backend="fake", max_items_per_request=8)
+    """Every payload, under the names a migrated deployment serves (read from /info)."""
+    names = {"served_model_name": ["org/clip"], "output_name": "OUTPUT__0"}
+    server = serve(backend="fake", max_items_per_request=8, **names)
     info = run_async(fetch_info(server.url))
     assert info is not None and info["model_name"] == "tiny-clip"
     sources = [SourceImage(synthetic_image(320, 240, seed)) for seed in range(6)]

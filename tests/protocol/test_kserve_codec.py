@@ -48,7 +48,7 @@ def test_binary_bytes_images_as_tritonclient_sends_them(shape: list[int] | None)
     assert request.protocol == "kserve-bytes"
     assert request.count == 2
     # No outputs named: tritonclient asks for every output in binary.
-    assert request.outputs == [RequestedOutput("embedding", binary=True)]
+    assert request.outputs == [RequestedOutput("embedding", "FP32", binary=True)]
 
 
 def test_json_bytes_images_are_base64() -> None:
@@ -112,8 +112,8 @@ def test_requested_outputs_and_binary_flags() -> None:
     ]
     request = parse(*triton_body([inp], outputs))
     assert request.outputs == [
-        RequestedOutput("embedding_fp16", False),
-        RequestedOutput("embedding", True),
+        RequestedOutput("embedding_fp16", "FP16", False),
+        RequestedOutput("embedding", "FP32", True),
     ]
 
 
@@ -131,7 +131,7 @@ def test_plain_json_request_without_outputs_answers_json() -> None:
     }
     request = parse(orjson.dumps(doc), None)
     assert request.id == "42" and request.images == JPEGS[:1]
-    assert request.outputs == [RequestedOutput("embedding", binary=False)]
+    assert request.outputs == [RequestedOutput("embedding", "FP32", binary=False)]
 
 
 def _binary_header(shape: list[int], datatype: str, size: int) -> bytes:
@@ -258,7 +258,10 @@ def test_text_limits() -> None:
 @pytest.mark.parametrize("binary", [True, False])
 def test_responses_parse_with_tritonclient(binary: bool) -> None:
     embeddings = np.random.default_rng(1).standard_normal((3, 32)).astype(np.float32)
-    outputs = [RequestedOutput("embedding", binary), RequestedOutput("embedding_fp16", binary)]
+    outputs = [
+        RequestedOutput("embedding", "FP32", binary),
+        RequestedOutput("embedding_fp16", "FP16", binary),
+    ]
     body, headers, media = kserve.encode_infer_response(
         embeddings, model_name="tiny", request_id="r1", outputs=outputs
     )
@@ -275,7 +278,7 @@ def test_responses_parse_with_tritonclient(binary: bool) -> None:
 
 
 def test_metadata_describes_the_model() -> None:
-    meta = kserve.model_metadata("tiny", "image", (224, 256), 32)
+    meta = kserve.model_metadata("tiny", "image", (224, 256), 32, "embedding")
     shapes = {i["datatype"]: i["shape"] for i in meta["inputs"]}
     assert shapes == {
         "BYTES": [-1],
@@ -287,14 +290,17 @@ def test_metadata_describes_the_model() -> None:
         ("embedding", "FP32", [-1, 32]),
         ("embedding_fp16", "FP16", [-1, 32]),
     ]
-    text = kserve.model_metadata("tiny-text", "text", (224, 224), 32)
+    text = kserve.model_metadata("tiny-text", "text", (224, 224), 32, "out")
     assert text["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+    assert [o["name"] for o in text["outputs"]] == ["out", "out_fp16"]
 
 
 def test_build_infer_request_round_trips() -> None:
     body, headers = kserve.build_infer_request(JPEGS, binary_output=False)
     request = parse(body, headers[kserve.HEADER_LENGTH])
-    assert request.images == JPEGS and request.outputs == [RequestedOutput("embedding", False)]
+    assert request.images == JPEGS and request.outputs == [
+        RequestedOutput("embedding", "FP32", False)
+    ]
     tensor = np.ones((2, 3, 224, 224), np.float16)
     body, headers = kserve.build_infer_request(tensor=tensor, output="embedding_fp16")
     request = parse(body, headers[kserve.HEADER_LENGTH])

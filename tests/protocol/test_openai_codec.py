@@ -48,6 +48,19 @@ def test_strings_are_split_into_texts_and_images_by_position() -> None:
     assert parse({"input": b64(PNG)}).protocol == "openai-image"
 
 
+def test_modality_and_truncate_decide_for_the_whole_request() -> None:
+    url, uri = "http://x.org/c.jpg", codec.data_uri(PNG)
+    as_text = parse({"input": [url, uri], "modality": "TEXT"}, max_text_chars=100)
+    assert as_text.texts == [url, uri] and not as_text.images
+    assert parse({"input": [uri], "modality": "image"}).images == [PNG]
+    # A URL with words after it is a caption; "truncate" overrides the server's default.
+    assert parse({"input": url + " is down"}, max_text_chars=40).texts == [url + " is down"]
+    assert parse({"input": "a"}).truncate is False and parse({"input": "a"}, truncate=True).truncate
+    assert parse({"input": "a", "truncate": "end"}).truncate is True
+    assert parse({"input": "a", "truncate": "NONE"}, truncate=True).truncate is False
+    assert parse({"input": "b" * 30, "truncate": "END"}).texts == ["b" * 20]  # --max-text-chars
+
+
 def test_text_that_merely_looks_like_base64_stays_text() -> None:
     # Valid base64, but not the start of a JPEG/PNG/WebP file: a caption, not an image.
     assert parse({"input": ["dogs", "QUJD"]}).texts == ["dogs", "QUJD"]
@@ -127,6 +140,18 @@ def test_model_defaults_and_options() -> None:
         ),
         ({"input": ["/9j/not*base64"]}, {}, InvalidImage, "invalid_image", "not valid base64"),
         ([1], {}, InvalidBody, "invalid_body", "JSON object"),
+        (
+            {"input": ["a", "https://x.org/c.jpg"]},
+            {},
+            InvalidImage,
+            "image_url_not_fetched",
+            "item 1",
+        ),
+        ({"input": "a", "modality": "audio"}, {}, InvalidParameter, "invalid_modality", "'text'"),
+        ({"input": "a", "modality": 1}, {}, InvalidParameter, "invalid_modality", "not served"),
+        ({"input": "a", "modality": "image"}, {}, InvalidImage, "invalid_image", "not an image"),
+        ({"input": "a", "truncate": "START"}, {}, InvalidParameter, "invalid_truncate", "'END'"),
+        ({"input": "a", "truncate": True}, {}, InvalidParameter, "invalid_truncate", "'NONE'"),
     ],
 )
 def test_invalid_requests(

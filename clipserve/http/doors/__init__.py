@@ -5,8 +5,9 @@ entry in `DOORS`."""
 from __future__ import annotations
 
 from clipserve.http.door import FrontDoor
+from clipserve.http.doors.aliases import AliasDoor
 from clipserve.http.doors.kserve import KServeDoor
 from clipserve.http.doors.native import NativeDoor
 from clipserve.http.doors.openai import OpenAIDoor
 
-DOORS: tuple[FrontDoor, ...] = (NativeDoor(), OpenAIDoor(), KServeDoor())
+DOORS: tuple[FrontDoor, ...] = (NativeDoor(), OpenAIDoor(), KServeDoor(), AliasDoor())

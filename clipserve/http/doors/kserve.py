@@ -1,8 +1,10 @@
 """Open Inference Protocol (KServe v2) routes, as Triton serves them over HTTP: health, server
 and model metadata, and inference through the pipeline.
 
-Two models: `<model name>` (the image tower) and `<model name>-text` (the text tower), each with
-one version, "1".
+Two models, each with one version, "1": the image tower, called the model's name (or each
+--served-model-name), and the text tower, called that + "-text" (or each
+--served-text-model-name). Names may hold slashes (Hugging Face ids), as Triton's clients send
+them unquoted.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from clipserve.batching.tower import TowerKind
+from clipserve.config import LimitsConfig
 from clipserve.errors import ModelNotFound, UnsupportedMediaType
 from clipserve.http import health
 from clipserve.http.door import inference_route
@@ -35,15 +38,10 @@ def _empty(ok: bool) -> Response:
     return Response(status_code=200 if ok else 503)
 
 
-def _models(runtime: Serving) -> dict[str, TowerKind]:
-    name = runtime.model.name
-    return {name: "image", name + codec.TEXT_SUFFIX: "text"}
-
-
 def _model(request: Request) -> tuple[str, TowerKind]:
     """The model the path names, and its tower (404 for any other model or version)."""
     name: str = request.path_params["name"]
-    models = _models(pipeline_of(request).runtime)
+    models = pipeline_of(request).names.kserve()
     if name not in models:
         served = ", ".join(repr(m) for m in models)
         raise ModelNotFound(
@@ -67,8 +65,8 @@ class Infer:
     name: str
     tower: TowerKind
     header_length: str | None
-    max_items: int
-    max_text_chars: int
+    limits: LimitsConfig
+    output: str
     inline: bool = False
 
     @classmethod
@@ -80,9 +78,8 @@ class Infer:
                 f"Content-Encoding {encoding[:40]} is not supported; send the request uncompressed"
             )
         header_length = request.headers.get(codec.HEADER_LENGTH)
-        limits = pipeline.config.limits
-        max_items, max_chars = limits.max_items_per_request, limits.max_text_chars
-        return cls(pipeline.runtime, name, tower, header_length, max_items, max_chars)
+        limits, output = pipeline.config.limits, pipeline.names.output
+        return cls(pipeline.runtime, name, tower, header_length, limits, output)
 
     def parse(self, body: bytes) -> Work[codec.InferRequest]:
         parsed = codec.parse_infer_request(
@@ -90,12 +87,14 @@ class Infer:
             self.header_length,
             tower=self.tower,
             size=self.runtime.model.preprocess.size,
-            max_items=self.max_items,
-            max_text_chars=self.max_text_chars,
+            max_items=self.limits.max_items_per_request,
+            max_text_chars=self.limits.max_text_chars,
+            output=self.output,
+            truncate=self.limits.truncate_text,
         )
         work = Work(parsed.protocol, parsed)
         if self.tower == "text":
-            tokens = self.runtime.tokenize(parsed.texts)
+            tokens = self.runtime.tokenize(parsed.texts, truncate=self.limits.truncate_text)
             work.texts = TextWork(parsed.protocol, parsed.texts, tokens)
         else:
             work.images = ImageWork(parsed.protocol, parsed.images, tensor=parsed.tensor)
@@ -132,29 +131,44 @@ async def model_ready(request: Request) -> Response:
 
 async def model_metadata(request: Request) -> Response:
     name, tower = _model(request)
-    model = pipeline_of(request).runtime.model
-    return _json(codec.model_metadata(name, tower, model.preprocess.size, model.embed_dim))
+    pipeline = pipeline_of(request)
+    model = pipeline.runtime.model
+    size, dim, output = model.preprocess.size, model.embed_dim, pipeline.names.output
+    return _json(codec.model_metadata(name, tower, size, dim, output))
+
+
+async def repository_index(request: Request) -> Response:
+    """Triton's model repository index (`POST /v2/repository/index`): tritonclient's
+    `get_model_repository_index` and perf_analyzer ask it which models are there."""
+    pipeline = pipeline_of(request)
+    ready = {kind: health.tower_ready(tower) for kind, tower in pipeline.towers.items()}
+    models = {name: ready[kind] for name, kind in pipeline.names.kserve().items()}
+    return _json(codec.repository_index(models))
 
 
 class KServeDoor:
     error_prefixes = ("/v2",)
 
     def routes(self) -> Sequence[BaseRoute]:
-        model, version = "/v2/models/{name}", "/v2/models/{name}/versions/{version}"
-        per_model = [
-            route
-            for prefix in (model, version)
-            for route in (
-                Route(prefix, model_metadata, methods=["GET"]),
-                Route(prefix + "/ready", model_ready, methods=["GET"]),
-                inference_route(prefix + "/infer", Infer.of),
-            )
-        ]
+        # A name may hold slashes, so the longest paths are matched first: a versioned path
+        # before an unversioned one, and /ready and /infer before the bare metadata path.
+        model = "/v2/models/{name:path}"
+        version = model + "/versions/{version}"
         return [
             Route("/v2", server_metadata, methods=["GET"]),
             Route("/v2/health/live", live, methods=["GET"]),
             Route("/v2/health/ready", ready, methods=["GET"]),
-            *per_model,
+            Route("/v2/repository/index", repository_index, methods=["POST"]),
+            *(
+                route
+                for prefix in (version, model)
+                for route in (
+                    Route(prefix + "/ready", model_ready, methods=["GET"]),
+                    inference_route(prefix + "/infer", Infer.of),
+                )
+            ),
+            Route(version, model_metadata, methods=["GET"]),
+            Route(model, model_metadata, methods=["GET"]),
         ]
 
     def render_error(self, status: int, code: str, message: str) -> Response:

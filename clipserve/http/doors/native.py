@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from clipserve.batching.tower import Completed, TowerKind
+from clipserve.config import LimitsConfig
 from clipserve.errors import InvalidParameter
 from clipserve.http import health
 from clipserve.http.door import inference_route
@@ -115,22 +116,23 @@ class EmbedTexts:
     runtime: Serving
     protocol: str
     answer: Answer
-    max_items: int
-    max_chars: int
+    limits: LimitsConfig
     tower: TowerKind = "text"
     inline: bool = False
 
     @classmethod
     def of(cls, request: Request, pipeline: Pipeline[Any]) -> EmbedTexts:
         protocol = text_protocol(request.headers.get("content-type", ""))  # 415 before the body
-        limits = pipeline.config.limits
-        answer = Answer.of(request)
-        runtime = pipeline.runtime
-        return cls(runtime, protocol, answer, limits.max_items_per_request, limits.max_text_chars)
+        return cls(pipeline.runtime, protocol, Answer.of(request), pipeline.config.limits)
 
     def parse(self, body: bytes) -> Work[None]:
-        texts = texts_from(self.protocol, body, self.max_items, self.max_chars)
-        work = TextWork(self.protocol, texts, self.runtime.tokenize(texts))
+        lim = self.limits
+        truncate = lim.truncate_text
+        texts = texts_from(
+            self.protocol, body, lim.max_items_per_request, lim.max_text_chars, truncate=truncate
+        )
+        tokens = self.runtime.tokenize(texts, truncate=truncate)
+        work = TextWork(self.protocol, texts, tokens)
         return Work(self.protocol, None, texts=work, normalize=self.answer.normalize)
 
     def encode(self, work: Work[None], done: Embedded) -> Encoded:
@@ -146,6 +148,7 @@ async def info(request: Request) -> Response:
             "model": model.identity,
             "model_name": model.name,
             "weights": model.weights_id,
+            "names": pipeline.names.card(),
             "embed_dim": model.embed_dim,
             "input_size": list(model.preprocess.size),
             "input_layout": {"uint8": "NHWC", "float32": "NCHW", "float16": "NCHW"},
@@ -164,6 +167,7 @@ async def info(request: Request) -> Response:
             "text": {
                 "context_length": model.context_length,
                 "max_text_chars": limits.max_text_chars,
+                "truncate": limits.truncate_text,
             },
             "limits": {
                 "max_body_bytes": limits.max_body_bytes,

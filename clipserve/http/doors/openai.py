@@ -11,12 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from clipserve.batching.tower import TowerKind
+from clipserve.config import LimitsConfig
 from clipserve.errors import ModelNotFound
 from clipserve.http.door import inference_route
 from clipserve.http.pipeline import Pipeline, Serving, pipeline_of
@@ -31,12 +31,6 @@ _STATUS = {422: 400}
 _PER_ITEM_LIMITS = ("too_many_items", "too_many_texts", "text_too_long", "image_too_large")
 
 
-def model_names(runtime: Serving) -> list[str]:
-    """The served model's identity (name/weights), then its bare name as an alias."""
-    model = runtime.model
-    return list(dict.fromkeys([model.identity, model.name]))
-
-
 @dataclass(frozen=True)
 class Usage:
     request: codec.EmbeddingsRequest
@@ -49,32 +43,34 @@ class Embeddings:
     input); a request of images only gives it back and is admitted to the image tower."""
 
     runtime: Serving
-    max_items: int
-    max_text_chars: int
+    limits: LimitsConfig
+    models: tuple[str, ...]
     tower: TowerKind = "text"
     inline: bool = False
 
     @classmethod
     def of(cls, request: Request, pipeline: Pipeline[Any]) -> Embeddings:
-        limits = pipeline.config.limits
-        return cls(pipeline.runtime, limits.max_items_per_request, limits.max_text_chars)
+        return cls(pipeline.runtime, pipeline.config.limits, pipeline.names.openai)
 
     def parse(self, body: bytes) -> Work[Usage]:
         """The request and its texts' tokens, once: they serve the model and the usage."""
         model = self.runtime.model
         parsed = codec.parse_embeddings_request(
             body,
-            models=model_names(self.runtime),
+            models=self.models,
             embed_dim=model.embed_dim,
-            max_items=self.max_items,
-            max_text_chars=self.max_text_chars,
+            max_items=self.limits.max_items_per_request,
+            max_text_chars=self.limits.max_text_chars,
+            truncate=self.limits.truncate_text,
         )
         protocol = parsed.protocol
         work = Work(protocol, Usage(parsed, len(parsed.images)))
         if parsed.texts:
-            tokens = self.runtime.tokenize(parsed.texts)
-            # The tokenizer pads with 0 and counts start/end tokens, like the model.
-            used = int(np.count_nonzero(tokens)) + len(parsed.images)
+            tokens = self.runtime.tokenize(
+                parsed.texts, truncate=parsed.truncate, positions=parsed.text_index
+            )
+            # What the model reads, start and end tokens included; an image counts as one.
+            used = model.tokens_seen(tokens) + len(parsed.images)
             work.parsed = Usage(parsed, used)
             work.texts = TextWork(protocol, parsed.texts, tokens)
         if parsed.images:
@@ -101,12 +97,12 @@ class Embeddings:
 
 
 async def list_models(request: Request) -> Response:
-    names = model_names(pipeline_of(request).runtime)
+    names = pipeline_of(request).names.openai
     return Response(codec.encode_models(names, CREATED), media_type=JSON)
 
 
 async def get_model(request: Request) -> Response:
-    names = model_names(pipeline_of(request).runtime)
+    names = pipeline_of(request).names.openai
     model: str = request.path_params["model"]
     if model not in names:
         served = ", ".join(names)
