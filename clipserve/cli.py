@@ -16,6 +16,7 @@ log = logging.getLogger("clipserve")
 
 
 SUBCOMMANDS = {
+    "dedupe": "find exact and near-duplicate photos in folders (see 'clipserve dedupe --help')",
     "export": "export the image tower to ONNX, check it and compare it with PyTorch",
     "profile": "profile an ONNX Runtime backend: op-type time shares and CPU fallbacks",
 }
@@ -85,6 +86,11 @@ def serve(config: ServerConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "dedupe":
+        # A client of the server, not a server: its own parser, none of the server's flags.
+        from clipserve.dedupe.cli import main as dedupe_main
+
+        return dedupe_main(argv[1:])
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else None
     args = vars(build_parser(command).parse_args(argv))
     try:

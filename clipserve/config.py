@@ -145,6 +145,40 @@ class HttpConfig:
     linger_timeout_s: float = _opt(
         5.0, "after answering before the body is read, how long to read and drop the rest"
     )
+    ssl_certfile: str | None = _opt(None, "PEM certificate: serve HTTPS (with --ssl-keyfile)")
+    ssl_keyfile: str | None = _opt(None, "PEM private key for --ssl-certfile")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    cache_mb: int = _opt(
+        256,
+        "embedding cache in MiB, in the engine (shared by every front end; identical items in "
+        "flight are computed once); 0 = off",
+    )
+
+
+@dataclass(frozen=True)
+class AccessConfig:
+    api_keys: str | None = _opt(
+        None,
+        "file of API keys, one per line: KEY, NAME:KEY or NAME:KEY:RATE[:BURST]; reloaded on "
+        "SIGHUP or change; requests need one (Authorization: Bearer, or X-API-Key)",
+    )
+    rate_limit: str | None = _opt(
+        None,
+        "items (images and texts) per second per key, RATE[:BURST] (token bucket; burst "
+        "default: one second's worth); over it: 429",
+    )
+    protect_metrics: bool = _opt(False, "with --api-keys, /metrics needs a key too")
+    allow_url_fetch: tuple[str, ...] = _opt(
+        (),
+        "host names and CIDRs image URLs may be fetched from (repeatable; env: comma-separated); "
+        "empty: URLs are refused",
+    )
+    url_timeout_s: float = _opt(10.0, "an image URL's whole fetch, connecting included")
+    url_max_bytes: int = _opt(20 * 1024 * 1024, "largest image fetched from a URL")
+    url_fetch_concurrency: int = _opt(16, "most image URLs fetched at once, per process")
 
 
 @dataclass(frozen=True)
@@ -154,6 +188,8 @@ class ServerConfig:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    access: AccessConfig = field(default_factory=AccessConfig)
     # Options left to their defaults by load_config (no flag, no variable): those with a device
     # default (see resolve_device_defaults) take it. Empty when built directly: all explicit.
     defaulted: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
@@ -168,6 +204,8 @@ SECTIONS: dict[str, type[Any]] = {
     "batching": BatchingConfig,
     "limits": LimitsConfig,
     "http": HttpConfig,
+    "cache": CacheConfig,
+    "access": AccessConfig,
 }
 
 
@@ -349,7 +387,27 @@ def validate(config: ServerConfig) -> None:
     _require(h.header_timeout_s > 0, "header_timeout_s", "must be positive")
     _require(h.keep_alive_timeout_s > 0, "keep_alive_timeout_s", "must be positive")
     _require(h.linger_timeout_s >= 0, "linger_timeout_s", "must not be negative (0: no linger)")
+    _require(
+        (h.ssl_certfile is None) == (h.ssl_keyfile is None),
+        "ssl_keyfile",
+        "--ssl-certfile and --ssl-keyfile go together",
+    )
+    _require(config.cache.cache_mb >= 0, "cache_mb", "must not be negative (0 = off)")
+    a = config.access
+    _require(
+        a.rate_limit is None or _RATE.fullmatch(a.rate_limit) is not None,
+        "rate_limit",
+        f"expected RATE or RATE:BURST in items per second, both positive, e.g. 50:100; got "
+        f"{a.rate_limit!r}",
+    )
+    _require(not a.protect_metrics or a.api_keys is not None, "protect_metrics", "needs --api-keys")
+    _require(a.url_timeout_s > 0, "url_timeout_s", "must be positive")
+    _require(a.url_max_bytes >= 1024, "url_max_bytes", "must be at least 1024")
+    _require(a.url_fetch_concurrency >= 1, "url_fetch_concurrency", "must be at least 1")
 
+
+# --rate-limit and a key file's RATE[:BURST]: a positive rate, a burst of at least 1 item.
+_RATE = re.compile(r"(?!0*(\.0*)?(:|$))\d+(\.\d+)?(:0*[1-9]\d*)?")
 
 # What a served name may be: visible ASCII without spaces, up to 128 characters (slashes
 # included, as Hugging Face ids and NIM's "nvidia/nvclip" have).

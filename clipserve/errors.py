@@ -25,6 +25,18 @@ class ImageUrlRefused(InvalidImage):
     code = "image_url_not_fetched"
 
 
+class ImageUrlForbidden(InvalidImage):
+    """An image URL --allow-url-fetch does not allow: its host, or a non-public address."""
+
+    code = "image_url_refused"
+
+
+class ImageFetchFailed(InvalidImage):
+    """An allowed image URL that could not be fetched: refused, timed out, not an image."""
+
+    code = "image_fetch_failed"
+
+
 class InvalidTensor(ClipserveError):
     code = "invalid_tensor"
 
@@ -81,6 +93,23 @@ class Overloaded(ClipserveError):
     """The bounded queue is full; the client should retry after `retry_after_s`."""
 
     code = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Unauthorized(ClipserveError):
+    """No API key, or not one of --api-keys (answered with `WWW-Authenticate: Bearer`)."""
+
+    code = "invalid_api_key"  # OpenAI's code for the same answer
+
+
+class RateLimited(ClipserveError):
+    """The key's quota (--rate-limit, or its line in --api-keys) is used up for now; the
+    client should retry after `retry_after_s`."""
+
+    code = "rate_limit_exceeded"  # OpenAI's
 
     def __init__(self, message: str, retry_after_s: int = 1) -> None:
         super().__init__(message)

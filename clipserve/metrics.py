@@ -11,7 +11,14 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -132,6 +139,33 @@ class Metrics:
         self.response_bytes = Counter(
             "clipserve_response_bytes", "Response body bytes", ["protocol"], registry=r
         )
+        # The embedding cache (batching/cache.py), written by the process that holds it: the
+        # engine's with --workers N. Per tower: hits + misses + merged = items with a key.
+        self.cache_hits = Counter(
+            "clipserve_cache_hits", "Items answered from the embedding cache", ["tower"], registry=r
+        )
+        self.cache_misses = Counter(
+            "clipserve_cache_misses",
+            "Items computed: not cached, nothing in flight",
+            ["tower"],
+            registry=r,
+        )
+        self.cache_merged = Counter(
+            "clipserve_cache_merged",
+            "Items that waited on an identical one in flight instead of being computed",
+            ["tower"],
+            registry=r,
+        )
+        self.cache_evictions = Counter(
+            "clipserve_cache_evictions", "Entries evicted to stay within --cache-mb", registry=r
+        )
+        # Set by one process only: the latest value is the engine's, whatever front ends wrote.
+        self.cache_bytes = Gauge(
+            "clipserve_cache_bytes",
+            "Bytes held by the embedding cache, entries' overhead included",
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
 
     def observe_batch(
         self, device: str, size: int, seconds: float, kind: TowerKind = "image"
@@ -167,3 +201,18 @@ class Metrics:
         for gauges in self._gauges:
             registry.register(gauges)
         return generate_latest(registry)
+
+
+# ---- access: API keys and their quotas (http/access.py) ------------------------------------
+
+
+def rate_limited_counter(registry: CollectorRegistry) -> Counter:
+    """Requests answered 429 by a quota, by key: names from the key file only, an unnamed key
+    as `sha256:` and its digest's first 8 hex digits, `anonymous` without a key file (so the
+    label set is as small as the file)."""
+    return Counter(
+        "clipserve_rate_limited",
+        "Requests refused by a key's rate limit (--rate-limit, --api-keys)",
+        ["key"],
+        registry=registry,
+    )

@@ -10,6 +10,7 @@ import inspect
 import io
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -123,6 +124,9 @@ def make_config(tiny_config: Path, tiny_checkpoint: Path, **overrides: Any) -> S
         "threads": "1",
         "decode_workers": "1",
         "cache_dir": str(tiny_checkpoint.parent / "cache"),
+        # Tests count computations and send the same image twice: the embedding cache is on
+        # only where a test asks for it (tests/http/test_cache.py).
+        "cache_mb": "0",
     }
     flags.update({k: v if isinstance(v, list) else str(v) for k, v in overrides.items()})
     return load_config(flags, environ={})
@@ -331,3 +335,14 @@ def bytes_input(
         array = array.reshape(shape)
     inp = triton.InferInput(name, list(array.shape), "BYTES")
     return inp.set_data_from_numpy(array, binary_data=binary)
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, made with the openssl binary."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl binary")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    args = ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+    args += ["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)]
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+    return cert, key

@@ -176,10 +176,11 @@ def test_drain_timeout_answers_503_json_with_one_log_line_each(
 
         async def load() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-                body = png_bytes(random_pixels(1))
+                # Three different images: identical ones would be computed once (the cache).
+                bodies = [png_bytes(random_pixels(i)) for i in range(3)]
                 tasks = [
                     asyncio.create_task(client.post("/embed", content=body, headers=PNG))
-                    for _ in range(3)
+                    for body in bodies
                 ]
 
                 async def one_computing_two_queued() -> bool:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from asyncio import Future
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from clipserve.backends.base import Executor
+from clipserve.batching.cache import EmbeddingCache, Flight
 from clipserve.batching.queue import Admission, BatchQueue, Ticket, WorkItem
 from clipserve.batching.tower import Completed, TowerKind
 from clipserve.batching.worker import DeviceWorker
@@ -41,7 +43,12 @@ class Batcher:
         threads: Sequence[ThreadPoolExecutor | None] | None = None,
         kind: TowerKind = "image",
         decoders: Sequence[DeviceDecoder | None] | None = None,
+        cache: EmbeddingCache | None = None,
     ) -> None:
+        """`cache`: the embedding cache keyed runs use; one per process, shared by its
+        towers (None: keys are ignored)."""
+        self.kind = kind
+        self.cache = cache
         self.max_batch_size = config.max_batch_size
         self.admission = Admission(config.max_queue_size)
         self.queue = BatchQueue(
@@ -146,6 +153,15 @@ class Batcher:
     def _busy(self) -> bool:
         return any(w.running is not None for w in self.workers)
 
+    async def lookup(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
+        """Each key's cached row, or None (everything None without a cache)."""
+        return self.cached(keys)
+
+    def cached(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
+        if self.cache is None:
+            return [None] * len(keys)
+        return self.cache.found(keys, self.kind)
+
     async def run(
         self,
         ticket: Ticket,
@@ -154,11 +170,18 @@ class Batcher:
         normalize: bool,
         request_id: str,
         deadline: float | None = None,
+        keys: Sequence[bytes] | None = None,
+        fresh: bool = False,
     ) -> Completed:
-        """Queue the arrays and wait for their embeddings. Cancelling drops unstarted items.
+        """Queue the arrays and wait for their embeddings. Cancelling drops unstarted items
+        nobody else waits for.
 
-        The ticket stays its caller's: items give back their share as they start, and whoever
-        admitted the request (the pipeline; the engine for a front end) releases what is left.
+        The ticket stays its caller's: each queued item takes one of its places and gives it
+        back as it starts, and whoever admitted the request (the pipeline; the engine for a
+        front end) releases what is left. With `keys` (one per array) and a cache, an item
+        already cached is answered at once and one already in flight is waited on, neither
+        holding a place; `fresh` (Cache-Control: no-cache) computes every item anew, and still
+        keeps what it computes.
 
         Items still queued when `deadline` (`time.perf_counter()`; the ticket's by default)
         passes, or too close to it to finish, never reach the executor: this raises
@@ -167,29 +190,76 @@ class Batcher:
         if not self.alive:
             raise NotReady("no executor worker is alive")
         deadline = ticket.deadline if deadline is None else deadline
+        cache = self.cache if keys is not None else None
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
-        items = [
-            WorkItem(a, normalize, request_id, loop.create_future(), ticket, now, deadline)
-            for a in arrays
-        ]
-        await self.queue.put(items)
+        sources: list[np.ndarray | Flight] = []
+        flying: list[WorkItem] = []
+        for i, array in enumerate(arrays):
+            key = keys[i] if keys is not None else None
+            source = None
+            if cache is not None and key is not None:
+                source = cache.join(key, self.kind, deadline, fresh)
+            if source is None:
+                future = loop.create_future()
+                item = WorkItem(
+                    array, normalize, request_id, future, ticket.split(1), now, deadline
+                )
+                source = Flight(item, key if cache is not None else None)
+                if cache is not None and key is not None:
+                    cache.take_off(source, self.kind)
+                flying.append(item)
+            sources.append(source)
+        ticket.release(len(arrays) - len(flying))  # answered or merged: no place of their own
+        waits = [s for s in sources if isinstance(s, Flight)]
         try:
-            rows = await asyncio.gather(*(item.future for item in items))
+            if flying:
+                await self.queue.put(flying)
+            rows = await asyncio.gather(*(asyncio.shield(f.item.future) for f in waits))
         except BaseException as exc:
-            for item in items:
-                if not item.future.cancel() and not item.future.cancelled():
-                    item.future.exception()  # retrieved: asyncio logs none as never retrieved
-            self.queue.discard(items)
-            if isinstance(exc, ITEM_ERRORS) and len(items) > 1:
-                index = next(i for i, it in enumerate(items) if _failed_with(it, exc))
+            reading = self._leave(waits, flying)
+            if reading:  # our arrays (slots, in the engine) must outlive every read of them
+                await asyncio.wait(reading)
+            if isinstance(exc, ITEM_ERRORS) and len(sources) > 1:
+                index = next(i for i, s in enumerate(sources) if _failed_with(s, exc))
                 raise with_item_index(exc, index) from None
             raise
+        computed = iter(rows)
+        items = [f.item for f in waits]
         return Completed(
-            np.stack(rows),
-            queue_s=max(item.started_at - item.enqueued_at for item in items),
-            compute_s=max(item.finished_at - item.started_at for item in items),
+            np.stack([next(computed) if isinstance(s, Flight) else s for s in sources]),
+            queue_s=max((item.started_at - item.enqueued_at for item in items), default=0.0),
+            compute_s=max((item.finished_at - item.started_at for item in items), default=0.0),
         )
+
+    def _leave(self, flights: Sequence[Flight], ours: Sequence[WorkItem]) -> list[Future[Any]]:
+        """A request stops waiting (it failed, timed out or went away). An item nobody waits
+        for any more is dropped, started or not. One that others still wait for goes on; if
+        its array is this request's (`ours`), which its caller may reuse once `run` returns
+        (the engine's slots), it gets a copy, or, already computing, is returned: the caller
+        waits until it is done."""
+        own = {id(item) for item in ours}
+        unstarted: list[WorkItem] = []
+        reading: list[Future[Any]] = []
+        for flight in flights:
+            flight.waiters -= 1
+            item = flight.item
+            if item.future.done():
+                continue
+            if flight.waiters == 0:
+                item.future.cancel()  # its outcome is never read, nor cached
+                if not item.started_at:
+                    item.ticket.release_all()
+                    unstarted.append(item)
+                if self.cache is not None:
+                    self.cache.abandon(flight)
+            elif id(item) in own:
+                if item.started_at:
+                    reading.append(item.future)
+                else:
+                    item.array = np.array(item.array)
+        self.queue.discard(unstarted)
+        return reading
 
 
 # Errors of one item's own input (a NaN row; with --decode gpu, an image the device worker could
@@ -197,8 +267,10 @@ class Batcher:
 ITEM_ERRORS = (NonFiniteEmbedding, InvalidImage, ImageTooLarge)
 
 
-def _failed_with(item: WorkItem, exc: BaseException) -> bool:
-    future = item.future
+def _failed_with(source: np.ndarray | Flight, exc: BaseException) -> bool:
+    if not isinstance(source, Flight):
+        return False
+    future = source.item.future
     return future.done() and not future.cancelled() and future.exception() is exc
 
 

@@ -64,6 +64,13 @@ class Ticket:
     def release_all(self) -> None:
         self.release(self.held)
 
+    def split(self, n: int = 1) -> Ticket:
+        """Up to n of these places as a ticket of their own: an item that several requests may
+        wait on holds its place apart from any one of them (`batching/cache.py`)."""
+        n = min(n, self.held)
+        self.held -= n
+        return Ticket(self.admission, n, self.deadline)
+
     def absorb(self, other: Ticket) -> None:
         """Take over `other`'s places (a request that turned out bigger once parsed)."""
         assert other.admission is self.admission

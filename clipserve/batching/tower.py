@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -71,4 +71,24 @@ class Tower(TowerState, Protocol[TicketT]):
 
     async def run(
         self, ticket: TicketT, arrays: Sequence[np.ndarray], *, normalize: bool, request_id: str
+    ) -> Completed: ...
+
+
+@runtime_checkable
+class CachingTower(Tower[TicketT], Protocol[TicketT]):
+    """A tower with the embedding cache (`batching/cache.py`) behind it. Keys are made by the
+    caller (`http/cache_keys.py`); `lookup` answers from the cache alone, before anything is
+    admitted or decoded, and a keyed `run` computes each key once however many wait on it."""
+
+    async def lookup(self, keys: Sequence[bytes]) -> list[np.ndarray | None]: ...
+
+    async def run(
+        self,
+        ticket: TicketT,
+        arrays: Sequence[np.ndarray],
+        *,
+        normalize: bool,
+        request_id: str,
+        keys: Sequence[bytes] | None = None,
+        fresh: bool = False,
     ) -> Completed: ...

@@ -13,6 +13,9 @@ from clipserve.logs import configure_logging
 
 def start_child(log_level: str, role: str, parent_pid: int) -> None:
     configure_logging(log_level, role=role)
+    # A hangup is the supervisor's to pass on (a front end's app handles it once started, to
+    # reload the key file); by default it would kill the process.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     watch_parent(parent_pid)
 
 

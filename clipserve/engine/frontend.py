@@ -36,12 +36,14 @@ def frontend_main(
     index: int,
     parent: int,
     together: threading.Barrier | None = None,
+    buckets: str | None = None,
 ) -> None:
     """A front end's entry: the same app and uvicorn settings as one process, its towers
     remote, its listening socket one of the port's SO_REUSEPORT group. `together` (a
     multiprocessing Barrier, at the first start only) holds each front end until all have
     imported what they need, so they start listening together: one that listened alone would
-    be handed every early connection, and keep them."""
+    be handed every early connection, and keep them. `buckets`: the rate limits' table the
+    supervisor made for every front end."""
     start_child(config.http.log_level, f"frontend {index}", parent)
     import open_clip  # noqa: F401  the tokenizer's (and torch's) import: the slow part of startup
 
@@ -50,7 +52,7 @@ def frontend_main(
             together.wait(FRONTEND_START_TIMEOUT_S)
         except threading.BrokenBarrierError:
             log.warning("front end %d: the others did not start in time; starting alone", index)
-    app = create_app(config, engine=(socket_path, card))
+    app = create_app(config, engine=(socket_path, card), buckets=buckets)
     ensure_fd_limit(config.http.max_connections)
     sock = reuseport_socket(config.http.host, config.http.port)
     server = draining_server(build_uvicorn_config(app, config.http))

@@ -10,7 +10,7 @@ arrays as lists, and a type must hold on both ends.
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeAlias, TypedDict
+from typing import Any, Literal, NotRequired, TypeAlias, TypedDict
 
 from clipserve.batching.tower import TowerKind
 
@@ -104,6 +104,16 @@ class RunFrame(TypedDict):
     shapes: list[list[int]]  # one per item
     normalize: bool
     rid: str  # the request id, for the log
+    # The embedding cache's key of each item (absent or None: uncached), and no-cache.
+    keys: NotRequired[list[bytes] | None]
+    fresh: NotRequired[bool]
+
+
+class LookupFrame(TypedDict):
+    t: Literal["lookup"]
+    id: int
+    tower: TowerKind
+    keys: list[bytes]
 
 
 class ReleaseFrame(TypedDict):
@@ -116,7 +126,7 @@ class CancelFrame(TypedDict):
     id: int
 
 
-ToEngine: TypeAlias = HelloFrame | AdmitFrame | RunFrame | ReleaseFrame | CancelFrame
+ToEngine: TypeAlias = HelloFrame | AdmitFrame | RunFrame | ReleaseFrame | CancelFrame | LookupFrame
 
 # Engine → front end.
 
@@ -138,6 +148,14 @@ class DoneFrame(TypedDict):
     compute_s: float
 
 
+class FoundFrame(TypedDict):
+    t: Literal["found"]
+    id: int
+    hits: list[int]  # the indices of the keys found in the cache
+    dim: int
+    rows: bytes  # their rows, float32 little-endian, in the order of `hits`
+
+
 class ErrorFrame(TypedDict):
     t: Literal["error"]
     id: int
@@ -148,7 +166,7 @@ class StatusFrame(Status):
     t: Literal["status"]
 
 
-ToFront: TypeAlias = CardFrame | OkFrame | DoneFrame | ErrorFrame | StatusFrame
+ToFront: TypeAlias = CardFrame | OkFrame | DoneFrame | FoundFrame | ErrorFrame | StatusFrame
 
 # Engine → supervisor, once, over a multiprocessing pipe (pickled): warmed up, or why not.
 EngineReady: TypeAlias = tuple[Literal["ready"], ModelCard] | tuple[Literal["error"], str]

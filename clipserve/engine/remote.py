@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from clipserve.backends.device import is_cpu
-from clipserve.batching.tower import Completed, Tower, TowerKind
+from clipserve.batching.tower import CachingTower, Completed, TowerKind
 from clipserve.config import ServerConfig, resolve_workers
 from clipserve.engine import wire
 from clipserve.engine.messages import ModelCard, Status, ToEngine, ToFront, WorkerRow
@@ -130,10 +130,15 @@ def _rgb(values: list[float]) -> tuple[float, float, float]:
     return r, g, b
 
 
+# What an answer resolves to: embeddings (`done`), cached rows (`found`), None (`ok`).
+Answer = Completed | list[np.ndarray | None] | None
+
+
 @dataclass(eq=False)
 class _Pending:
-    future: asyncio.Future[Completed | None]  # None: admitted (`ok`)
+    future: asyncio.Future[Answer]
     slots: list[int]
+    size: int = 0  # a lookup's number of keys
 
 
 class EngineLink:
@@ -253,6 +258,12 @@ class EngineLink:
             dim = msg["dim"]
             rows = np.stack([self.arena.view(s, "<f4", (dim,)) for s in entry.slots])
             entry.future.set_result(Completed(rows, msg["queue_s"], msg["compute_s"]))
+        elif msg["t"] == "found" and not entry.future.done():
+            found: list[np.ndarray | None] = [None] * entry.size
+            rows = np.frombuffer(msg["rows"], "<f4").reshape(len(msg["hits"]), msg["dim"])
+            for index, row in zip(msg["hits"], rows, strict=True):
+                found[index] = row
+            entry.future.set_result(found)
         elif msg["t"] == "error" and not entry.future.done():
             entry.future.set_exception(wire.decode_error(msg["error"]))
         elif not entry.future.done():
@@ -267,14 +278,16 @@ class EngineLink:
         self._ids += 1
         return self._ids
 
-    def expect(self, rid: int, slots: list[int] | None = None) -> asyncio.Future[Completed | None]:
+    def expect(
+        self, rid: int, slots: list[int] | None = None, size: int = 0
+    ) -> asyncio.Future[Answer]:
         """Register for the one answer to `rid`; the slots are given back when it comes."""
         if not self.connected:
             if slots:
                 self.arena.give_back(slots)
             raise NotReady(ENGINE_GONE)
         future = asyncio.get_running_loop().create_future()
-        self._pending[rid] = _Pending(future, slots or [])
+        self._pending[rid] = _Pending(future, slots or [], size)
         return future
 
 
@@ -332,6 +345,15 @@ class RemoteTower:
             raise
         return RemoteTicket(self.link, rid)
 
+    async def lookup(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:
+        """The engine's cached rows for `keys` (one round trip; nothing is admitted)."""
+        rid = self.link.next_id()
+        future = self.link.expect(rid, size=len(keys))
+        self.link.send({"t": "lookup", "id": rid, "tower": self.kind, "keys": list(keys)})
+        found = await future
+        assert isinstance(found, list)
+        return found
+
     async def run(
         self,
         ticket: RemoteTicket,
@@ -339,6 +361,8 @@ class RemoteTower:
         *,
         normalize: bool,
         request_id: str,
+        keys: Sequence[bytes] | None = None,
+        fresh: bool = False,
     ) -> Completed:
         first = arrays[0]
         if any(a.dtype != first.dtype for a in arrays):
@@ -361,6 +385,8 @@ class RemoteTower:
                 "shapes": shapes,
                 "normalize": normalize,
                 "rid": request_id,
+                "keys": None if keys is None else list(keys),
+                "fresh": fresh,
             }
         )
         try:
@@ -368,11 +394,11 @@ class RemoteTower:
         except asyncio.CancelledError:
             self.link.send({"t": "cancel", "id": rid})  # slots free once it answers
             raise
-        assert completed is not None  # a run is answered by `done` (or `error`), never `ok`
+        assert isinstance(completed, Completed)  # a run is answered by `done` (or `error`)
         return completed
 
 
 if TYPE_CHECKING:
 
-    def _is_a_tower(tower: RemoteTower) -> Tower[RemoteTicket]:
+    def _is_a_tower(tower: RemoteTower) -> CachingTower[RemoteTicket]:
         return tower  # mypy checks that RemoteTower satisfies the pipeline's Tower protocol

@@ -24,6 +24,7 @@ from clipserve.engine.messages import (
     AdmitFrame,
     DoneFrame,
     EngineReady,
+    LookupFrame,
     ModelCard,
     RunFrame,
     StatusFrame,
@@ -186,6 +187,8 @@ class EngineService:
             running = front.runs.get(msg["id"])
             if running is not None:
                 running.cancel()
+        elif msg["t"] == "lookup":
+            self._lookup(front, msg)
         elif msg["t"] == "hello":
             front.pid = msg["pid"]
             front.arena = SlotArena(
@@ -205,6 +208,21 @@ class EngineService:
             front.error(rid, e)
         else:
             front.send({"t": "ok", "id": rid})
+
+    def _lookup(self, front: FrontEnd, msg: LookupFrame) -> None:
+        """Rows from the cache go back in the frame itself: a few KiB each, no slot needed."""
+        rows = self._batcher(msg["tower"]).cached(msg["keys"])
+        hits = [i for i, row in enumerate(rows) if row is not None]
+        found = [row for row in rows if row is not None]
+        front.send(
+            {
+                "t": "found",
+                "id": msg["id"],
+                "hits": hits,
+                "dim": int(found[0].shape[0]) if found else 0,
+                "rows": b"".join(row.astype("<f4", copy=False).tobytes() for row in found),
+            }
+        )
 
     def _start_run(self, front: FrontEnd, msg: RunFrame) -> None:
         tickets = [front.tickets.pop(i, None) for i in msg["ids"]]
@@ -230,7 +248,12 @@ class EngineService:
             for slot, shape in zip(slots, msg["shapes"], strict=True)
         ]
         completed = await self._batcher(msg["tower"]).run(
-            ticket, arrays, normalize=msg["normalize"], request_id=msg["rid"]
+            ticket,
+            arrays,
+            normalize=msg["normalize"],
+            request_id=msg["rid"],
+            keys=msg.get("keys"),
+            fresh=msg.get("fresh", False),
         )
         rows = completed.embeddings
         for slot, row in zip(slots, rows, strict=True):

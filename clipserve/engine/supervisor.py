@@ -11,6 +11,7 @@ first, then stops the engine, then removes the slot files, the socket and the me
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -28,8 +29,11 @@ from types import FrameType
 
 from clipserve.config import ServerConfig
 from clipserve.engine.messages import EngineReady, ModelCard
-from clipserve.engine.slots import remove_segments
+from clipserve.engine.slots import remove_segments, segment_prefix, shm_dir
 from clipserve.errors import StartupError
+from clipserve.http.access import check_access
+from clipserve.http.buckets import BucketTable
+from clipserve.http.server import check_tls
 
 log = logging.getLogger("clipserve.supervisor")
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -61,13 +65,24 @@ class Supervisor:
         self.engine_ready: Connection | None = None
         self.front: list[Child | None] = [None] * config.http.workers
         self.stopping = False
+        self.hangup = False  # SIGHUP: passed on to the front ends (they reload the key file)
         self._own_metrics_dir = MULTIPROC_ENV not in os.environ
+        # The rate limits' buckets, one table for every front end (no name a slot file has).
+        access = config.access
+        limited = access.api_keys is not None or access.rate_limit is not None
+        self.buckets = str(shm_dir() / f"{segment_prefix(self.pid)}quota") if limited else None
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._on_hangup)
         try:
+            check_access(self.config.access)  # a bad key file: one line, before the model loads
+            check_tls(self.config.http)
             self._metrics_dir()
             self._check_port()
+            if self.buckets is not None:
+                BucketTable.remove(self.buckets)  # left by a killed supervisor of this pid
+                BucketTable(self.buckets, create=True).close()
             self._start_engine()
             self._wait_engine_ready()
             together = self.ctx.Barrier(len(self.front))
@@ -76,7 +91,8 @@ class Supervisor:
             http = self.config.http
             engine_pid = self.engine.process.pid if self.engine else 0
             log.info(
-                "serving on http://%s:%d with %d front ends and one engine (pid %d)",
+                "serving on %s://%s:%d with %d front ends and one engine (pid %d)",
+                "https" if http.ssl_certfile else "http",
                 http.host,
                 http.port,
                 len(self.front),
@@ -94,6 +110,9 @@ class Supervisor:
             name = signal.Signals(signum).name
             log.info("%s: draining the front ends, then the engine", name)
         self.stopping = True
+
+    def _on_hangup(self, signum: int, frame: FrameType | None) -> None:
+        self.hangup = True
 
     def _metrics_dir(self) -> None:
         """Prometheus multiprocess mode: every process writes its values under one directory,
@@ -154,7 +173,7 @@ class Supervisor:
         from clipserve.engine.frontend import frontend_main
 
         assert self.card is not None  # front ends start once the engine is ready
-        args = (self.config, self.socket_path, self.card, index, self.pid, together)
+        args = (self.config, self.socket_path, self.card, index, self.pid, together, self.buckets)
         name = f"clipserve-frontend-{index}"
         process = self.ctx.Process(target=frontend_main, name=name, args=args)
         process.start()
@@ -166,12 +185,25 @@ class Supervisor:
         while not self.stopping:
             children = [c for c in (self.engine, *self.front) if c is not None]
             wait([c.process.sentinel for c in children if c.restart_at is None], timeout=0.2)
+            if self.hangup:
+                self.hangup = False
+                self._pass_on_hangup()
             now = time.monotonic()
             for index, child in enumerate(self.front):
                 if child is not None and self._due(child, now):
                     self._start_front(index)
             if self.engine is not None and self._due(self.engine, now):
                 self._restart_engine()
+
+    def _pass_on_hangup(self) -> None:
+        """SIGHUP: every front end reloads the key file now (they also notice a change
+        themselves within a second; this is for an edit that kept its mtime and size)."""
+        pids = [c.process.pid for c in self.front if c is not None and c.process.is_alive()]
+        log.info("SIGHUP: front ends reload the key file")
+        for pid in pids:
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGHUP)
 
     def _due(self, child: Child, now: float) -> bool:
         """Whether an exited child's restart is due (not while stopping)."""
@@ -216,6 +248,8 @@ class Supervisor:
         if self.engine is not None:
             _terminate([self.engine.process], 30.0)
         remove_segments(self.pid)
+        if self.buckets is not None:
+            BucketTable.remove(self.buckets)
         if self._own_metrics_dir:
             os.environ.pop(MULTIPROC_ENV, None)
         shutil.rmtree(self.tmp, ignore_errors=True)

@@ -7,10 +7,14 @@ Front end → engine:
   hello   {pid, path, count, slot_bytes}      its slot file; answered by `card`
   admit   {id, tower, n, wait_s}              reserve n places in the tower's queue (the global
                                               bound); answered by `ok` or `error`
-  run     {id, ids, tower, slots, dtype, shapes, normalize, rid}
+  lookup  {id, tower, keys}                   the embedding cache's rows for these keys, before
+                                              anything is admitted or decoded; answered by
+                                              `found`
+  run     {id, ids, tower, slots, dtype, shapes, normalize, rid, keys, fresh}
                                               the items are in `slots`, one per item, all of
                                               `dtype`; `ids`: the admissions it uses (`id` is the
-                                              first); answered by `done` or `error`
+                                              first); `keys`: each item's cache key (or null),
+                                              `fresh`: no-cache; answered by `done` or `error`
   release {ids}                               give back admissions never run (no answer)
   cancel  {id}                                the client went away: the run ends early, still
                                               with its one answer (`error`; `done` if it had
@@ -22,10 +26,12 @@ Engine → front end:
   ok      {id}                                admitted
   done    {id, dim, queue_s, compute_s}       the run's embeddings are in its slots, float32
                                               rows of `dim`
+  found   {id, hits, dim, rows}               the keys found (their indices) and their rows:
+                                              float32 bytes, 2-3 KiB a row, in the frame itself
   error   {id, error: {cls, message, retry?}} a ClipserveError to raise, see `encode_error`
   status  {towers, depth, wait_s, memory}     pushed a few times a second: `towers` maps each
                                               tower to its workers' {device, alive, error}
-Every `admit` and every `run` gets exactly one answer; a slot is reused only after it.
+Every `admit`, `lookup` and `run` gets exactly one answer; a slot is reused only after it.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from clipserve import errors
 from clipserve.engine.messages import EncodedError, ToEngine, ToFront
 
 log = logging.getLogger(__name__)
-MAX_BUFFER = 16 << 20  # frames carry slot numbers, never pixels
+MAX_BUFFER = 16 << 20  # frames carry slot numbers, never pixels; `found`: a request's rows
 
 InT = TypeVar("InT", bound=Mapping[str, object])
 OutT = TypeVar("OutT", bound=Mapping[str, object])

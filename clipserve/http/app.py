@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
-from collections.abc import AsyncIterator
+import signal
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,6 +21,7 @@ from clipserve import errors
 from clipserve.batching.tower import Tower
 from clipserve.config import ServerConfig
 from clipserve.engine.messages import ModelCard
+from clipserve.http.access import Access, AccessGuard, MeteredTower
 from clipserve.http.doors import DOORS
 from clipserve.http.observer import RequestObserver
 from clipserve.http.pipeline import Pipeline, Serving
@@ -68,23 +71,54 @@ async def _towers(
         rt.close()
 
 
+@contextlib.contextmanager
+def _access_running(access: Access | None) -> Iterator[None]:
+    """The key file's watcher, and SIGHUP to reload it when this thread may take signals (the
+    main one: not in-process test servers, whose uvicorn runs in a thread)."""
+    if access is None:
+        yield
+        return
+    access.start()
+    loop = asyncio.get_running_loop()
+    before = signal.getsignal(signal.SIGHUP)
+    hangup = False
+    if access.keys is not None:
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+            loop.add_signal_handler(signal.SIGHUP, access.keys.reload_soon)
+            hangup = True
+    try:
+        yield
+    finally:
+        if hangup:  # as it was (a front end ignores it), not the default, which kills
+            loop.remove_signal_handler(signal.SIGHUP)
+            if before is not None:
+                signal.signal(signal.SIGHUP, before)
+        access.close()
+
+
 def create_app(
     config: ServerConfig,
     runtime: Runtime | None = None,
     registry: CollectorRegistry | None = None,
     engine: tuple[str, ModelCard] | None = None,
+    buckets: str | None = None,
 ) -> Starlette:
     """The ASGI app. Without a prebuilt `runtime`, the lifespan loads the model and warms up;
     with `engine` (its socket and model card), a front end of the engine process instead.
+    `buckets`: the rate limits' table shared by the front ends (--workers N). A bad key file
+    or rate limit raises StartupError here, before anything starts.
 
     The lifespan owns everything it starts: towers -> decode pool, torn down in reverse; the
     runtime's executors are closed on shutdown either way.
     """
     metrics = Metrics(registry)
+    access = Access.build(config.access, metrics.registry, buckets)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Pipeline[Any]]]:
         async with _towers(config, runtime, engine, metrics) as (rt, image, text):
+            if access is not None:  # every place reserved costs the request's key a token
+                image, text = MeteredTower(image, access), MeteredTower(text, access)
             workers = rt.decode_workers(config.limits.decode_workers)
             pool = ThreadPoolExecutor(workers, thread_name_prefix="clipserve-decode")
             # Served with the config as resolved: batch and queue sizes for the devices.
@@ -97,7 +131,8 @@ def create_app(
             # 0.3-0.8 s (bench/goodput.py: p99 of 503s 830 -> 15 ms).
             gc.freeze()
             try:
-                yield {"pipeline": pipeline}
+                with _access_running(access):
+                    yield {"pipeline": pipeline}
             finally:
                 gc.unfreeze()
                 pool.shutdown(wait=True)
@@ -113,5 +148,7 @@ def create_app(
         },
         lifespan=lifespan,
     )
+    if access is not None:  # inside the observer: its answers get a request id and a count
+        app.add_middleware(AccessGuard, access=access, pages=pages)
     app.add_middleware(RequestObserver, metrics=metrics, pages=pages)
     return app

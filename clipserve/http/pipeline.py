@@ -10,6 +10,7 @@ the per-protocol metrics and client disconnects are handled here, once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -22,9 +23,11 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from clipserve.batching.tower import Completed, TicketT, Tower, TowerKind
+from clipserve.batching.tower import CachingTower, Completed, TicketT, Tower, TowerKind
 from clipserve.config import ServerConfig
 from clipserve.errors import ClipserveError, PayloadTooLarge, RequestTimeout, with_item_index
+from clipserve.http.cache_keys import CacheKeys, Found, reads_cache
+from clipserve.http.fetch import ImageFetcher
 from clipserve.http.names import ServedNames
 from clipserve.http.request import BodyBudget, RequestContext, request_timeout, unless_disconnected
 from clipserve.http.timing import StageTimer
@@ -94,6 +97,12 @@ class Pipeline(Generic[TicketT]):
         self.metrics = metrics
         self.decode_pool = decode_pool
         self.body_budget = BodyBudget(config.limits.max_body_bytes_in_flight)
+        self.fetcher = ImageFetcher(config.access)
+        self.cache_keys = (  # None: --cache-mb 0, nothing is hashed
+            CacheKeys.of(config, model, runtime.backend, runtime.precision)
+            if config.cache.cache_mb
+            else None
+        )
 
     async def serve(self, request: Request, call: Call[Parsed]) -> Response:
         """Every inference route: the same steps in the same order for every front door."""
@@ -105,6 +114,7 @@ class Pipeline(Generic[TicketT]):
                         work = call.parse(body)
                     else:
                         work = await self.in_pool(call.parse, body)
+                work.fresh = not reads_cache(request.headers)
                 done = await self.embed(work, ctx, call.tower, held)
         with ctx.timer.measure("encode"):
             encoded = call.encode(work, done)
@@ -191,9 +201,9 @@ class Pipeline(Generic[TicketT]):
         text_held = held if tower == "text" else None
         jobs: list[Awaitable[Completed]] = []
         if work.texts is not None:
-            jobs.append(self.embed_texts(work.texts, ctx, work.normalize, text_held))
+            jobs.append(self.embed_texts(work.texts, ctx, work.normalize, text_held, work.fresh))
         if work.images is not None:
-            jobs.append(self.embed_images(work.images, ctx, work.normalize, image_held))
+            jobs.append(self.embed_images(work.images, ctx, work.normalize, image_held, work.fresh))
         results = iter(await _all(jobs))
         texts = next(results) if work.texts is not None else None
         images = next(results) if work.images is not None else None
@@ -205,14 +215,26 @@ class Pipeline(Generic[TicketT]):
         ctx: RequestContext,
         normalize: bool = True,
         admitted: Admitted[TicketT] | None = None,
+        fresh: bool = False,
     ) -> Completed:
-        """Admit (or grow `admitted` to the request's size), decode in the pool, batch, wait:
-        the image tower's embeddings, in order."""
+        """Look in the cache, admit (or grow `admitted` to) what it lacks, decode that in the
+        pool, batch, wait: the image tower's embeddings, in order."""
         tower = self.towers["image"]
-        async with self._admitted_for(tower, ctx, work.count, admitted) as ticket:
+        # Before admission and decoding: a cached image costs neither. URLs: keyed once
+        # fetched (the engine still answers them from the cache, or merges them in flight).
+        found = None if work.urls else await self._cached(tower, ctx, work, normalize, fresh)
+        if found is not None and not found.missing:
+            return found.merged(None)
+        todo = work.count if found is None else len(found.missing)
+        async with self._admitted_for(tower, ctx, todo, admitted) as ticket:
+            # URLs are fetched once the request holds its places (and has paid its rate
+            # limit's tokens for them): an over-limit or overloaded request fetches nothing.
+            images = await self._fetched(work, ctx) if work.urls else work
+            if work.urls:
+                found = await self._cached(tower, ctx, images, normalize, fresh, lookup=False)
             with ctx.timer.measure("decode"):
-                arrays = await self._images(work)
-            return await self._run(tower, ticket, arrays, ctx, normalize)
+                arrays = await self._images(images, found.missing if found else None)
+            return await self._run(tower, ticket, arrays, ctx, normalize, found, fresh)
 
     async def embed_texts(
         self,
@@ -220,26 +242,45 @@ class Pipeline(Generic[TicketT]):
         ctx: RequestContext,
         normalize: bool = True,
         admitted: Admitted[TicketT] | None = None,
+        fresh: bool = False,
     ) -> Completed:
-        """Admit, tokenise in the pool (unless the door did), batch, wait: the text tower's
-        embeddings, in order."""
+        """Tokenise in the pool (unless the door did), look in the cache, admit (or grow
+        `admitted` to) what it lacks, batch, wait: the text tower's embeddings, in order.
+        The tokens are the key, so tokenising comes before admission (as parsing does)."""
         tower = self.towers["text"]
-        async with self._admitted_for(tower, ctx, len(work.texts), admitted) as ticket:
-            tokens = work.tokens
-            if tokens is None:
-                with ctx.timer.measure("decode"):
-                    tokens = await self.in_pool(self.runtime.tokenize, work.texts)
-            return await self._run(tower, ticket, list(tokens), ctx, normalize)
+        tokens = work.tokens
+        if tokens is None:
+            with ctx.timer.measure("decode"):
+                tokens = await self.in_pool(self.runtime.tokenize, work.texts)
+        found = await self._cached(tower, ctx, tokens, normalize, fresh)
+        if found is not None and not found.missing:
+            return found.merged(None)
+        todo = len(tokens) if found is None else len(found.missing)
+        async with self._admitted_for(tower, ctx, todo, admitted) as ticket:
+            rows = list(tokens) if found is None else [tokens[i] for i in found.missing]
+            return await self._run(tower, ticket, rows, ctx, normalize, found, fresh)
 
-    async def _images(self, work: ImageWork) -> list[np.ndarray]:
+    async def _fetched(self, work: ImageWork, ctx: RequestContext) -> ImageWork:
+        """`work` with its image URLs fetched (--allow-url-fetch)."""
+        at = [work.positions[i] if work.positions else i for i in work.urls]
+        with ctx.timer.measure("fetch"):
+            fetched = await self.fetcher.fetch_all(list(zip(at, work.urls.values(), strict=True)))
+        images = list(work.images)
+        for i, data in zip(work.urls, fetched, strict=True):
+            images[i] = data
+        return dataclasses.replace(work, images=images, urls={})
+
+    async def _images(self, work: ImageWork, only: Sequence[int] | None = None) -> list[np.ndarray]:
+        """The images (those at `only`: not cached) ready for the tower."""
+        picked = range(work.count) if only is None else only
         if work.tensor is not None:
-            return list(work.tensor)  # zero-copy rows; stacked on the device thread
+            return [work.tensor[i] for i in picked]  # zero-copy rows; stacked on the device thread
         # The decoder, or with --decode gpu the header checks (JPEG bytes pass through).
         prepare = self.runtime.image_input or self.runtime.decoder
-        jobs = [self.in_pool(prepare, data) for data in work.images]
+        jobs = [self.in_pool(prepare, work.images[i]) for i in picked]
         results = await asyncio.gather(*jobs, return_exceptions=True)
         arrays: list[np.ndarray] = []
-        for index, result in enumerate(results):
+        for index, result in zip(picked, results, strict=True):
             if isinstance(result, ClipserveError):
                 at = work.positions[index] if work.positions else index
                 raise result if work.single else with_item_index(result, at)
@@ -255,17 +296,54 @@ class Pipeline(Generic[TicketT]):
         arrays: Sequence[np.ndarray],
         ctx: RequestContext,
         normalize: bool,
+        found: Found | None = None,
+        fresh: bool = False,
     ) -> Completed:
+        """The tower's rows for `arrays`; with `found`, those are its missing items, and the
+        answer is the whole request's."""
         t0 = time.perf_counter()
-        run = tower.run(ticket, arrays, normalize=normalize, request_id=ctx.request_id)
+        rid = ctx.request_id
+        if found is not None and isinstance(tower, CachingTower):
+            keys = [found.keys[i] for i in found.missing]
+            run = tower.run(
+                ticket, arrays, normalize=normalize, request_id=rid, keys=keys, fresh=fresh
+            )
+        else:
+            run = tower.run(ticket, arrays, normalize=normalize, request_id=rid)
         try:
             completed = await unless_disconnected(ctx.receive, run)  # the deadline: the ticket's
-        except BaseException:
+        except BaseException as e:
             ctx.timer.add("queue", time.perf_counter() - t0)  # a failed request shows its wait
+            if found is not None and isinstance(e, ClipserveError):
+                raise found.located(e) from None
             raise
         ctx.timer.add("queue", completed.queue_s)
         ctx.timer.add("compute", completed.compute_s)
-        return completed
+        return completed if found is None else found.merged(completed)
+
+    async def _cached(
+        self,
+        tower: Tower[TicketT],
+        ctx: RequestContext,
+        items: ImageWork | np.ndarray,
+        normalize: bool,
+        fresh: bool,
+        lookup: bool = True,
+    ) -> Found | None:
+        """The cache keys of a request's images or token rows, and what the cache holds of
+        them (nothing looked up under no-cache); None when the cache is off."""
+        keys_of = self.cache_keys
+        if keys_of is None:
+            return None
+        with ctx.timer.measure("cache"):
+            if isinstance(items, ImageWork):  # reads every byte: the pool's work
+                keys = await self.in_pool(keys_of.images, items, normalize)
+            else:  # a few hundred bytes a text
+                keys = keys_of.texts(items, normalize)
+            rows: list[np.ndarray | None] = [None] * len(keys)
+            if lookup and not fresh and isinstance(tower, CachingTower):
+                rows = await tower.lookup(keys)
+        return Found(rows, keys)
 
     def respond(self, ctx: RequestContext, protocol: str, encoded: Encoded) -> Response:
         """The 200 answer, with its stages in Server-Timing and in the per-protocol metrics."""

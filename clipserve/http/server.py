@@ -16,6 +16,7 @@ import http
 import logging
 import math
 import signal
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from uvicorn._types import ASGISendEvent
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from clipserve.config import HttpConfig
+from clipserve.errors import StartupError
 from clipserve.protocol.responses import encode_error
 
 log = logging.getLogger(__name__)
@@ -296,8 +298,25 @@ def build_uvicorn_config(app: Any, config: HttpConfig, **overrides: Any) -> uvic
         "access_log": False,
         "server_header": False,
     }
+    if config.ssl_certfile is not None:  # config.validate: the key comes with it
+        check_tls(config)
+        settings.update(ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile)
     settings.update(overrides)
     return uvicorn.Config(app, **settings)
+
+
+def check_tls(config: HttpConfig) -> None:
+    """Load the certificate and key once, so a bad pair is a one-line StartupError rather than
+    uvicorn's traceback once the model has loaded (or a front end that never starts)."""
+    if config.ssl_certfile is None or config.ssl_keyfile is None:
+        return
+    try:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise StartupError(
+            f"--ssl-certfile {config.ssl_certfile} / --ssl-keyfile {config.ssl_keyfile}: {e}"
+        ) from None
 
 
 def ensure_fd_limit(max_connections: int) -> None:

@@ -27,6 +27,8 @@ STATUS: dict[type[errors.ClipserveError], int] = {
     errors.NotAcceptable: 406,
     errors.InvalidParameter: 422,
     errors.ModelNotFound: 404,
+    errors.Unauthorized: 401,
+    errors.RateLimited: 429,
     errors.Overloaded: 503,
     errors.NotReady: 503,
     errors.InvalidHeader: 400,

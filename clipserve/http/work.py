@@ -7,7 +7,7 @@ refused without reading it); the pipeline then runs every call the same way (`Pi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -27,6 +27,8 @@ class ImageWork:
     tensor: np.ndarray | None = None
     single: bool = False  # one image in, one embedding out (not a list)
     positions: Sequence[int] = ()  # each image's index in a request that mixes in texts (errors)
+    # --allow-url-fetch: images[i] is fetched from urls[i] before decoding (b"" until then)
+    urls: Mapping[int, str] = field(default_factory=dict)
 
     @property
     def count(self) -> int:
@@ -50,6 +52,7 @@ class Work(Generic[Parsed]):
     images: ImageWork | None = None
     texts: TextWork | None = None
     normalize: bool = True
+    fresh: bool = False  # Cache-Control: no-cache: nothing read from the embedding cache
 
     def count(self, tower: TowerKind) -> int:
         if tower == "image":

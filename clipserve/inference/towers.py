@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from clipserve.batching import Batcher, TowerKind
+from clipserve.batching.cache import embedding_cache
 from clipserve.engine.messages import Status, WorkerRow
 from clipserve.inference.runtime import Runtime
 from clipserve.metrics import Metrics
@@ -39,8 +40,13 @@ class Towers:
         and workers (and on CUDA its own device threads)."""
         batching = runtime.config.batching
         decoders = runtime.device_decoders or None
-        image = Batcher(runtime.executors, batching, metrics, runtime.threads, decoders=decoders)
-        text = Batcher(runtime.text_executors, batching, metrics, runtime.text_threads, "text")
+        cache = embedding_cache(runtime.config.cache, metrics)  # both towers' one budget
+        image = Batcher(
+            runtime.executors, batching, metrics, runtime.threads, decoders=decoders, cache=cache
+        )
+        text = Batcher(
+            runtime.text_executors, batching, metrics, runtime.text_threads, "text", cache=cache
+        )
         return cls(image, text, runtime)
 
     def start(self) -> None:

@@ -3,10 +3,11 @@ embeddings → the response body. Pure: bytes in, bytes out; no Starlette.
 
 `input` is a string or a list of strings. Without `modality`, a string is an image when it is a
 `data:image/...;base64,` URI or bare base64 of a JPEG, PNG or WebP file (the convention Infinity
-and vLLM use for CLIP), an image URL (refused: not fetched) when it is one http(s) URL, and
-text otherwise. Infinity's `modality` says it for the whole request: "text" (every string is
-text, data URIs and URLs included) or "image" (every string must be an image). Token arrays
-(lists of ints) are refused: they would be another tokenizer's ids, meaningless to CLIP's.
+and vLLM use for CLIP), an image URL when it is one http(s) URL (fetched where
+--allow-url-fetch allows, else refused: never embedded as text), and text otherwise.
+Infinity's `modality` says it for the whole request: "text" (every string is text, data URIs
+and URLs included) or "image" (every string must be an image). Token arrays (lists of ints)
+are refused: they would be another tokenizer's ids, meaningless to CLIP's.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ INPUT_CODES = (
     "invalid_image",
     "image_too_large",
     "image_url_not_fetched",
+    "image_url_refused",
+    "image_fetch_failed",
 )
 # Which request field an error's code points at, for the `param` of OpenAI's error body.
 PARAM_OF_CODE = {
@@ -82,6 +85,7 @@ class EmbeddingsRequest:
     text_index: list[int] = field(default_factory=list)
     images: list[bytes] = field(default_factory=list)
     image_index: list[int] = field(default_factory=list)
+    urls: dict[int, str] = field(default_factory=dict)  # images[i] is fetched from urls[i]
 
     @property
     def protocol(self) -> str:
@@ -98,9 +102,11 @@ def _decode_b64(data: str, index: int) -> bytes:
         raise InvalidImage(f"item {index}: image is not valid base64") from None
 
 
-def _image_of(item: str, index: int) -> bytes | None:
-    """The encoded image a string carries, or None if it is text."""
+def _image_of(item: str, index: int, fetch_urls: bool) -> bytes | str | None:
+    """The encoded image a string carries, its URL (to fetch), or None if it is text."""
     if is_url(item):
+        if fetch_urls:
+            return item
         raise with_item_index(url_refused(), index)
     if item[:5].lower() == "data:":
         head, sep, data = item.partition(",")
@@ -215,11 +221,12 @@ def parse_embeddings_request(
     max_items: int,
     max_text_chars: int,
     truncate: bool = False,
+    fetch_urls: bool = False,
 ) -> EmbeddingsRequest:
     """Validate a request body; `models` are the names the served model answers to, the first
     being the one a request without `model` gets; `truncate` is the server's default for a
-    request without "truncate". Counts and lengths are checked before any base64 is
-    decoded."""
+    request without "truncate"; with `fetch_urls` an http(s) URL is an image to fetch. Counts
+    and lengths are checked before any base64 is decoded."""
     doc = loads_json(body, max_items)  # counts values before building any
     if not isinstance(doc, dict):
         raise InvalidBody("the body must be a JSON object")
@@ -230,7 +237,10 @@ def parse_embeddings_request(
     items = _inputs(doc, max_items)
     request = EmbeddingsRequest(model, encoding, len(items), truncate)
     for index, item in enumerate(items):
-        image = None if modality == "text" else _image_of(item, index)
+        image = None if modality == "text" else _image_of(item, index, fetch_urls)
+        if isinstance(image, str):
+            request.urls[len(request.images)] = image
+            image = b""
         if image is not None:
             request.images.append(image)
             request.image_index.append(index)

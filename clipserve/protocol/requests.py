@@ -40,6 +40,7 @@ class Payload:
     images: list[bytes] = field(default_factory=list)
     tensor: np.ndarray | None = None
     single: bool = False  # answer {"embedding": ...} rather than {"embeddings": [...]}
+    urls: dict[int, str] = field(default_factory=dict)  # images[i] is fetched from urls[i]
 
     def __len__(self) -> int:
         return len(self.images) if self.tensor is None else int(self.tensor.shape[0])
@@ -153,6 +154,7 @@ class RequestBody:
     data: bytes
     size: tuple[int, int]  # the model's (height, width)
     max_items: int
+    fetch_urls: bool = False  # --allow-url-fetch: a URL in JSON "images" is an image to fetch
 
 
 def _one_image(r: RequestBody) -> Payload:
@@ -202,14 +204,19 @@ def _json(r: RequestBody) -> Payload:
         raise InvalidBody('JSON body must be {"images": ["<base64>", ...]}')
     _count(len(doc["images"]), r.max_items)
     images = []
+    urls: dict[int, str] = {}
     for index, item in enumerate(doc["images"]):
         if isinstance(item, str) and is_url(item):
-            raise with_item_index(url_refused(), index)
+            if not r.fetch_urls:
+                raise with_item_index(url_refused(), index)
+            urls[index] = item
+            images.append(b"")
+            continue
         try:
             images.append(base64.b64decode(item, validate=True))
         except (binascii.Error, TypeError, ValueError):
             raise InvalidBody(f"item {index}: not a base64 string") from None
-    return Payload("json-base64", images=images)
+    return Payload("json-urls" if urls else "json-base64", images=images, urls=urls)
 
 
 @dataclass(frozen=True)
@@ -226,9 +233,10 @@ class ImageCodec:
         body: bytes,
         size: tuple[int, int],
         max_items: int,
+        fetch_urls: bool = False,
     ) -> Payload:
         """`headers` maps lower-case names to values; `size` is the model's (height, width)."""
-        return self.read(RequestBody(content_type, headers, body, size, max_items))
+        return self.read(RequestBody(content_type, headers, body, size, max_items, fetch_urls))
 
 
 CODECS: dict[str, ImageCodec] = {

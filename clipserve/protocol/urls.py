@@ -22,6 +22,6 @@ def is_url(item: str | bytes) -> bool:
 
 def url_refused() -> ImageUrlRefused:
     return ImageUrlRefused(
-        "image URLs are not fetched by this server; send the image itself (a "
-        "data:image/...;base64, URI or base64 of the file)"
+        "image URLs are not fetched by this server (--allow-url-fetch is off); send the image "
+        "itself (a data:image/...;base64, URI or base64 of the file)"
     )

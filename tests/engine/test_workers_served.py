@@ -189,6 +189,8 @@ def server(tiny_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "info",
         "--drain-timeout-s",
         "10",
+        "--cache-mb",  # these tests count computations of repeated images
+        "0",
     ]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

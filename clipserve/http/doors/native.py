@@ -20,6 +20,7 @@ from clipserve.config import LimitsConfig
 from clipserve.errors import InvalidParameter
 from clipserve.http import health
 from clipserve.http.door import inference_route
+from clipserve.http.info import info_card
 from clipserve.http.pipeline import Pipeline, Serving, pipeline_of
 from clipserve.http.status import native_error
 from clipserve.http.work import Embedded, Encoded, ImageWork, TextWork, Work
@@ -76,6 +77,7 @@ class EmbedImages:
     tensor_headers: dict[str, str]
     answer: Answer
     max_items: int
+    fetch_urls: bool
     tower: TowerKind = "image"
 
     @classmethod
@@ -88,7 +90,8 @@ class EmbedImages:
         }
         limit = pipeline.config.limits.max_items_per_request
         answer = Answer.of(request)
-        return cls(pipeline.runtime, codec, content_type, tensor_headers, answer, limit)
+        fetch = pipeline.fetcher.enabled
+        return cls(pipeline.runtime, codec, content_type, tensor_headers, answer, limit, fetch)
 
     @property
     def inline(self) -> bool:
@@ -97,12 +100,14 @@ class EmbedImages:
     def parse(self, body: bytes) -> Work[bool]:
         size = self.runtime.model.preprocess.size
         payload = self.codec.parse(
-            self.content_type, self.tensor_headers, body, size, self.max_items
+            self.content_type, self.tensor_headers, body, size, self.max_items, self.fetch_urls
         )
         if payload.tensor is not None:
             images = ImageWork(payload.protocol, tensor=payload.tensor)
         else:
-            images = ImageWork(payload.protocol, payload.images, single=payload.single)
+            images = ImageWork(
+                payload.protocol, payload.images, single=payload.single, urls=payload.urls
+            )
         return Work(payload.protocol, images.single, images=images, normalize=self.answer.normalize)
 
     def encode(self, work: Work[bool], done: Embedded) -> Encoded:
@@ -141,48 +146,7 @@ class EmbedTexts:
 
 async def info(request: Request) -> Response:
     pipeline = pipeline_of(request)
-    model, runtime, config = pipeline.runtime.model, pipeline.runtime, pipeline.config
-    b, limits, http = config.batching, config.limits, config.http
-    return JSONResponse(
-        {
-            "model": model.identity,
-            "model_name": model.name,
-            "weights": model.weights_id,
-            "names": pipeline.names.card(),
-            "embed_dim": model.embed_dim,
-            "input_size": list(model.preprocess.size),
-            "input_layout": {"uint8": "NHWC", "float32": "NCHW", "float16": "NCHW"},
-            "mean": list(model.preprocess.mean),
-            "std": list(model.preprocess.std),
-            "interpolation": model.preprocess.interpolation,
-            "backend": runtime.backend,
-            "precision": runtime.precision,
-            "devices": runtime.devices,
-            "batching": {
-                "max_batch_size": b.max_batch_size,
-                "max_queue_size": b.max_queue_size,
-                "max_queue_delay_ms": b.max_queue_delay_ms,
-                "pipeline_depth": b.pipeline_depth,
-            },
-            "text": {
-                "context_length": model.context_length,
-                "max_text_chars": limits.max_text_chars,
-                "truncate": limits.truncate_text,
-            },
-            "limits": {
-                "max_body_bytes": limits.max_body_bytes,
-                "max_image_pixels": limits.max_image_pixels,
-                "max_image_aspect": limits.max_image_aspect,
-                "max_decode_bytes": limits.max_decode_bytes,
-                "max_items_per_request": limits.max_items_per_request,
-                "max_body_bytes_in_flight": limits.max_body_bytes_in_flight,
-                "request_timeout_s": limits.request_timeout_s,
-                "max_connections": http.max_connections,
-                "max_header_bytes": http.max_header_bytes,
-                "header_timeout_s": http.header_timeout_s,
-            },
-        }
-    )
+    return JSONResponse(info_card(pipeline.runtime, pipeline.config, pipeline.names))
 
 
 async def healthz(request: Request) -> Response:

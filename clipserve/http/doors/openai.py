@@ -45,12 +45,14 @@ class Embeddings:
     runtime: Serving
     limits: LimitsConfig
     models: tuple[str, ...]
+    fetch_urls: bool
     tower: TowerKind = "text"
     inline: bool = False
 
     @classmethod
     def of(cls, request: Request, pipeline: Pipeline[Any]) -> Embeddings:
-        return cls(pipeline.runtime, pipeline.config.limits, pipeline.names.openai)
+        fetch = pipeline.fetcher.enabled
+        return cls(pipeline.runtime, pipeline.config.limits, pipeline.names.openai, fetch)
 
     def parse(self, body: bytes) -> Work[Usage]:
         """The request and its texts' tokens, once: they serve the model and the usage."""
@@ -62,6 +64,7 @@ class Embeddings:
             max_items=self.limits.max_items_per_request,
             max_text_chars=self.limits.max_text_chars,
             truncate=self.limits.truncate_text,
+            fetch_urls=self.fetch_urls,
         )
         protocol = parsed.protocol
         work = Work(protocol, Usage(parsed, len(parsed.images)))
@@ -74,7 +77,9 @@ class Embeddings:
             work.parsed = Usage(parsed, used)
             work.texts = TextWork(protocol, parsed.texts, tokens)
         if parsed.images:
-            work.images = ImageWork(protocol, parsed.images, positions=parsed.image_index)
+            work.images = ImageWork(
+                protocol, parsed.images, positions=parsed.image_index, urls=parsed.urls
+            )
         return work
 
     def encode(self, work: Work[Usage], done: Embedded) -> Encoded:

@@ -1,0 +1,119 @@
+"""Each failure class, from real servers: 503s retried no sooner than Retry-After, 504 and 429
+and a closed port as the client's own exceptions, the API key and deadline headers as a proxy
+in front of the server would see them; and the retry policy's numbers."""
+
+from __future__ import annotations
+
+import random
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from clipserve.client import (
+    Client,
+    ClientError,
+    Overloaded,
+    RequestTimedOut,
+    ServerGone,
+    Unauthorized,
+)
+from clipserve.client.retry import RetryPolicy, parse_retry_after
+from clipserve.loadgen.procs import free_port
+from tests.client.conftest import Recording
+from tests.helpers import Serve, marked_png
+
+
+def test_503s_are_retried_no_sooner_than_retry_after(serve: Serve) -> None:
+    # One batch computes for 400 ms while the queue holds one request more: of four
+    # requests sent at once, the last ones are refused until room comes back.
+    server = serve(
+        backend="fake",
+        backend_option=["latency_ms=400"],
+        max_batch_size=2,
+        max_queue_size=2,
+        max_items_per_request=2,
+    )
+    images = [marked_png(m, seed=m) for m in range(8)]
+    recording = Recording()
+    with Client(server.url, concurrency=4, transport=recording) as c:
+        vectors = c.embed_images(images)
+    assert vectors.shape == (8, 32) and not (vectors != vectors).any()
+    sent = recording.to("/embed")
+    refused = [e for e in sent if e.status == 503]
+    assert refused, [e.status for e in sent]
+    assert len([e for e in sent if e.status == 200]) == 4
+    for e in refused:
+        assert e.retry_after is not None and int(e.retry_after) >= 1
+        again = next(r for r in sent if r.body == e.body and r.sent > e.answered)
+        assert again.sent - e.answered >= int(e.retry_after)
+
+
+def test_a_server_deadline_is_a_request_timeout(serve: Serve) -> None:
+    server = serve(backend="fake", backend_option=["latency_ms=1000"], request_timeout_s=0.3)
+    with Client(server.url) as c, pytest.raises(RequestTimedOut, match=r"timed out|timeout"):
+        c.embed_images([marked_png(1)])
+
+
+def test_the_client_deadline_is_sent_and_ends_in_a_request_timeout(serve: Serve) -> None:
+    server = serve(backend="fake", backend_option=["latency_ms=1000"])
+    recording = Recording()
+    with Client(server.url, timeout_s=0.25, transport=recording) as c:
+        t0 = time.monotonic()
+        with pytest.raises(RequestTimedOut):
+            c.embed_images([marked_png(1)])
+    assert time.monotonic() - t0 < 1.0  # the server's 504 at 250 ms, not the fake's second
+    (embed,) = recording.to("/embed")
+    assert embed.headers["x-request-timeout-ms"] == "250" and embed.status == 504
+
+
+def test_a_closed_port_is_server_gone_after_the_retries() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    recording = Recording()
+    with pytest.raises(ServerGone, match=r"127\.0\.0\.1"):
+        Client(url, retries=2, transport=recording)
+    assert recording.exchanges == []
+    assert [(path, type(e).__name__) for path, e in recording.failures] == [
+        ("/info", "ConnectError")
+    ] * 3  # the first attempt and two retries
+    assert issubclass(ServerGone, ClientError)
+
+
+def test_rate_limited_is_overloaded_when_retries_run_out(serve: Serve) -> None:
+    server = serve(backend="fake", rate_limit="0.01:2")  # two items, then one per 100 s
+    with Client(server.url, retries=0) as c:
+        c.embed_images([marked_png(1), marked_png(2)])
+        with pytest.raises(Overloaded, match="429 rate_limit_exceeded"):
+            c.embed_images([marked_png(3)])
+
+
+def test_the_api_key_is_sent_as_a_bearer_token(serve: Serve, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("photos:photo-app-key-0001\n")
+    server = serve(backend="fake", api_keys=str(keys))
+    recording = Recording()
+    with Client(server.url, api_key="photo-app-key-0001", transport=recording) as c:
+        assert c.embed_images([marked_png(1)]).shape == (1, 32)
+    assert {e.headers["authorization"] for e in recording.exchanges} == {
+        "Bearer photo-app-key-0001"
+    }
+    assert {e.headers["x-request-timeout-ms"] for e in recording.exchanges} == {"60000"}
+    with pytest.raises(Unauthorized, match=r"401|key"):
+        Client(server.url)
+    with pytest.raises(Unauthorized):
+        Client(server.url, api_key="not-a-known-key")
+
+
+def test_the_retry_policy_backs_off_exponentially_with_jitter() -> None:
+    policy, rng = RetryPolicy(retries=5), random.Random(0)
+    for attempt, ceiling in enumerate([0.25, 0.5, 1, 2, 4, 8, 8]):
+        waits = [policy.delay(attempt, None, rng) for _ in range(200)]
+        assert ceiling / 2 <= min(waits) and max(waits) <= ceiling
+        assert max(waits) - min(waits) > ceiling / 4  # jittered, not one value
+    assert all(3 <= policy.delay(0, 3, rng) <= 3.6 for _ in range(100))
+    assert policy.delay(0, 3600, rng) == 60  # a server asking for an hour gets a minute
+    now = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
+    assert parse_retry_after("Wed, 01 Jan 2025 12:00:05 GMT", now) == 5
+    assert parse_retry_after("7") == 7
+    assert parse_retry_after("soon") is None and parse_retry_after(None) is None

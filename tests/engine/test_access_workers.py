@@ -1,0 +1,162 @@
+"""API keys and rate limits with `--workers 2`, over HTTPS: a quota holds in total across the
+front ends (their buckets are one table in shared memory), SIGHUP reaches every front end
+through the supervisor, and a bad key file stops the supervisor before the model loads."""
+
+from __future__ import annotations
+
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from clipserve.loadgen.procs import free_port
+from tests.helpers import PNG, marked_png, run_clipserve, self_signed_cert, until
+
+OLD, NEW = "rotating-key-old", "rotating-key-new"  # the same length: a rewrite keeps the size
+SHARED = "shared-key-0001"  # 6 items, then a token per 100 s
+METERED = "metered-key-0001"  # 4 items a second, burst 2
+KEYS = f"shared:{SHARED}:0.01:6\nmetered:{METERED}:4:2\nrotating:{OLD}\n"
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, tls: ssl.SSLContext) -> None:
+        self.proc, self.url, self.tls = proc, url, tls
+
+    def post(self, key: str, path: str = "/embed", body: bytes | None = None) -> httpx.Response:
+        """One request on a connection of its own (the kernel picks the front end)."""
+        headers = {**PNG, "X-API-Key": key}
+        content = marked_png(1) if body is None else body
+        return httpx.post(self.url + path, content=content, headers=headers, verify=self.tls)
+
+
+def front_end(response: httpx.Response) -> str:
+    """Which front end answered: request ids start with a random prefix per process."""
+    return response.headers["x-request-id"][:12]
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "keys.txt"
+    path.write_text(KEYS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_config: Path, keys: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("tls")
+    cert, key = self_signed_cert(tmp)
+    port = free_port()
+    cmd = [sys.executable, "-m", "clipserve", "--workers", "2", "--backend", "fake"]
+    cmd += ["--model", str(tiny_config), "--pretrained", "none", "--gpus", "cpu"]
+    cmd += ["--api-keys", str(keys), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "info"]
+    log = tmp / "server.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    served = Server(proc, f"https://127.0.0.1:{port}", ssl.create_default_context(cafile=cert))
+
+    def ready() -> bool:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            return httpx.get(served.url + "/readyz", verify=served.tls).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        until(ready, 120, "the --workers 2 server ready over HTTPS", poll_s=0.2)
+        yield served
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_keys_over_https_on_both_front_ends(server: Server) -> None:
+    answers = [server.post("wrong-key-0001") for _ in range(12)]
+    assert {r.status_code for r in answers} == {401}
+    assert len({front_end(r) for r in answers}) == 2  # both front ends check keys
+    http_client = httpx.Client(verify=server.tls)
+    with openai.OpenAI(
+        base_url=server.url + "/v1", api_key=OLD, max_retries=0, http_client=http_client
+    ) as client:
+        names = [m.id for m in client.models.list().data]
+        assert len(client.embeddings.create(model=names[0], input=["a", "b"]).data) == 2
+
+
+def test_a_quota_holds_in_total_across_front_ends(server: Server) -> None:
+    # 6 items, then nothing for 100 s. Front ends with a bucket each would let 12 through.
+    answers = [server.post(SHARED) for _ in range(16)]
+    assert [r.status_code for r in answers].count(200) == 6
+    assert {r.status_code for r in answers[6:]} == {429}
+    assert len({front_end(r) for r in answers}) == 2, "every request reached one front end"
+    assert all(1 <= int(r.headers["retry-after"]) <= 100 for r in answers[6:])
+
+
+def test_a_rate_holds_in_total_under_load_from_both_front_ends(server: Server) -> None:
+    """4 items/s (burst 2) from 4 threads for 3 s: at most burst + rate x time get through
+    in all; two front ends with buckets of their own would pass about twice that."""
+    done: list[tuple[float, int, str]] = []
+    start = time.monotonic()
+
+    def hammer() -> None:
+        while time.monotonic() - start < 3.0:
+            r = server.post(METERED)
+            done.append((time.monotonic(), r.status_code, front_end(r)))
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = max(at for at, _, _ in done) - start
+    passed = sum(status == 200 for _, status, _ in done)
+    assert {status for _, status, _ in done} == {200, 429}
+    assert len({front for _, _, front in done}) == 2
+    allowed = 2 + 4 * elapsed
+    assert passed <= allowed + 1, (passed, elapsed)  # +1: the clocks of the two measurements
+    assert passed >= 0.5 * allowed, (passed, elapsed)  # and the bucket does refill
+
+
+def test_sighup_to_the_supervisor_reloads_every_front_end(server: Server, keys: Path) -> None:
+    before = os.stat(keys)
+    keys.write_text(KEYS.replace(OLD, NEW))  # in place: the same inode and size
+    os.utime(keys, ns=(before.st_atime_ns, before.st_mtime_ns))
+    server.proc.send_signal(signal.SIGHUP)
+
+    def both_reloaded() -> bool:
+        answers = [server.post(NEW) for _ in range(8)]
+        return all(r.status_code == 200 for r in answers)
+
+    until(both_reloaded, 30, "every front end accepting the new key")
+    answers = [server.post(OLD) for _ in range(12)]
+    assert {r.status_code for r in answers} == {401}
+    assert len({front_end(r) for r in answers}) == 2
+    assert server.proc.poll() is None
+
+
+def test_a_bad_key_file_stops_the_supervisor_before_the_model_loads(
+    tiny_config: Path, tmp_path: Path
+) -> None:
+    bad = tmp_path / "keys.txt"
+    bad.write_text("team:key-12345678\nteam:key-12345678:1\n")
+    result = run_clipserve(
+        "--workers", "2", "--backend", "fake", "--model", str(tiny_config),
+        "--pretrained", "none", "--api-keys", str(bad), "--port", str(free_port()),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "keys.txt, line 2" in lines[0], result.stderr
