@@ -70,10 +70,19 @@ def serve(config: ServerConfig) -> int:
 
         return supervise(config)
 
+    from clipserve.http.access import check_access
     from clipserve.http.app import create_app
-    from clipserve.http.server import build_uvicorn_config, draining_server, ensure_fd_limit
+    from clipserve.http.server import (
+        build_uvicorn_config,
+        check_tls,
+        draining_server,
+        ensure_fd_limit,
+    )
     from clipserve.inference.runtime import build_runtime
 
+    # A bad key file or certificate fails in a second, not after the model has loaded.
+    check_access(config.access)
+    check_tls(config.http)
     # Built before uvicorn starts so a failure is one line and a non-zero exit, not a traceback
     # from inside the lifespan protocol.
     runtime = build_runtime(config)

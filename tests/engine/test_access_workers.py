@@ -148,13 +148,15 @@ def test_sighup_to_the_supervisor_reloads_every_front_end(server: Server, keys: 
     assert server.proc.poll() is None
 
 
-def test_a_bad_key_file_stops_the_supervisor_before_the_model_loads(
-    tiny_config: Path, tmp_path: Path
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_bad_key_file_stops_the_server_before_the_model_loads(
+    workers: str, tiny_config: Path, tmp_path: Path
 ) -> None:
+    """One line and exit 2, with nothing logged before it: no model was loaded."""
     bad = tmp_path / "keys.txt"
     bad.write_text("team:key-12345678\nteam:key-12345678:1\n")
     result = run_clipserve(
-        "--workers", "2", "--backend", "fake", "--model", str(tiny_config),
+        "--workers", workers, "--backend", "fake", "--model", str(tiny_config),
         "--pretrained", "none", "--api-keys", str(bad), "--port", str(free_port()),
     )  # fmt: skip
     assert result.returncode == 2, result.stderr

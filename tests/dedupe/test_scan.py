@@ -1,0 +1,117 @@
+"""Walking folders: what counts as a photo, what is skipped (and said so), what is reused."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from clipserve.dedupe import scan as scan_module
+from clipserve.dedupe.cli import run
+from clipserve.dedupe.scan import scan
+from tests.dedupe.library import THRESHOLD, Recorder, write_photo
+
+
+def test_photos_are_found_and_unreadable_files_skipped_and_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = [write_photo(tmp_path / "a.jpg", 1), write_photo(tmp_path / "sub" / "B.PNG", 2)]
+    write_photo(tmp_path / "c.webp", 3)
+    (tmp_path / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "dangling.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    (tmp_path / "notes.txt").write_text("not a photo")
+    write_photo(tmp_path / ".hidden.jpg", 4)
+    write_photo(tmp_path / ".thumbnails" / "d.jpg", 5)  # a hidden folder is not entered
+
+    with caplog.at_level(logging.WARNING, "clipserve.dedupe.scan"):
+        found = scan([tmp_path])
+
+    paths = [p.path for p in found.photos]
+    assert paths == [str(good[0]), str(tmp_path / "c.webp"), str(good[1])]
+    assert [p.format for p in found.photos] == ["JPEG", "WEBP", "PNG"]
+    skipped = {Path(s.path).name: s.reason for s in found.skipped}
+    assert set(skipped) == {"broken.jpg", "empty.png", "dangling.jpg"}
+    assert skipped["dangling.jpg"].startswith("cannot stat")
+    assert "not a readable" in skipped["empty.png"]
+    assert found.ignored == 2  # notes.txt and .hidden.jpg
+    assert found.read == 5  # the three photos and the two unreadable files
+    assert sorted(r.getMessage().split(":")[0] for r in caplog.records) == sorted(
+        f"skipped {tmp_path / name}" for name in skipped
+    )
+
+
+def test_a_photo_records_its_hash_size_and_pixels(tmp_path: Path) -> None:
+    path = write_photo(tmp_path / "a.png", 1)
+    (photo,) = scan([path]).photos
+    data = path.read_bytes()
+    assert photo.sha256 == hashlib.sha256(data).hexdigest()
+    assert (photo.size, photo.width, photo.height) == (len(data), 96, 64)
+    assert photo.mtime_ns == os.stat(path).st_mtime_ns
+
+
+def test_a_missing_root_is_skipped_and_the_rest_still_scanned(tmp_path: Path) -> None:
+    write_photo(tmp_path / "a.jpg", 1)
+    found = scan([tmp_path / "gone", tmp_path, tmp_path / "a.jpg"])  # overlapping roots
+    assert [Path(p.path).name for p in found.photos] == ["a.jpg"]  # named once
+    assert [(Path(s.path).name, s.reason) for s in found.skipped] == [
+        ("gone", "no such file or folder")
+    ]
+
+
+def test_a_known_file_is_trusted_until_its_size_or_mtime_changes(tmp_path: Path) -> None:
+    path = write_photo(tmp_path / "a.jpg", 1)
+    (first,) = scan([tmp_path]).photos
+    marked = dataclasses.replace(first, sha256="from-the-manifest")
+    again = scan([tmp_path], known={first.path: marked})
+    assert again.photos == [marked] and again.read == 0
+
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # touched
+    touched = scan([tmp_path], known={first.path: marked})
+    assert touched.read == 1
+    assert touched.photos[0].sha256 == first.sha256  # read again: the real hash
+
+
+def test_heic_is_passed_over_without_the_plugin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(scan_module, "heif_available", lambda: False)  # as if not installed
+    (tmp_path / "IMG_0001.HEIC").write_bytes(b"\x00\x00\x00\x18ftypheic")
+    found = scan([tmp_path])
+    assert (found.photos, found.skipped, found.ignored) == ([], [], 1)
+
+
+def test_heic_is_read_upright_and_grouped_with_its_jpeg(
+    tmp_path: Path, recorder: Callable[..., Recorder]
+) -> None:
+    """An iPhone-style HEIC (stored sideways, EXIF orientation 6) of a JPEG in the library: the
+    server does not decode HEIC, so dedupe sends it as upright JPEG bytes and groups the two."""
+    pytest.importorskip("pillow_heif")
+    original = write_photo(tmp_path / "photos" / "a.jpg", seed=7)
+    write_photo(tmp_path / "photos" / "b.jpg", seed=8)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # displayed turned a quarter clockwise
+    with Image.open(original) as img:
+        img.transpose(Image.Transpose.ROTATE_90).save(
+            tmp_path / "photos" / "IMG_0001.HEIC", "HEIF", quality=90, exif=exif.tobytes()
+        )
+    args = argparse.Namespace(
+        paths=[tmp_path / "photos"],
+        threshold=THRESHOLD,
+        out=tmp_path / "out",
+        cache=None,
+        index="exact",
+    )
+    outcome = run(args, recorder())
+    assert outcome.photos == 3 and outcome.skipped == []
+    assert [sorted(Path(m.photo.path).name for m in g.members) for g in outcome.groups] == [
+        ["IMG_0001.HEIC", "a.jpg"]
+    ]
