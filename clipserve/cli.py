@@ -65,6 +65,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def serve(config: ServerConfig) -> int:
+    from clipserve.http.connections import ensure_fd_limit
+
+    # Before anything starts (front ends inherit the raised limit): a limit too low to hold
+    # --max-connections fails here, in a second.
+    ensure_fd_limit(config.http.max_connections)
     if config.http.workers > 1:
         from clipserve.engine.supervisor import supervise
 
@@ -72,12 +77,7 @@ def serve(config: ServerConfig) -> int:
 
     from clipserve.http.access import check_access
     from clipserve.http.app import create_app
-    from clipserve.http.server import (
-        build_uvicorn_config,
-        check_tls,
-        draining_server,
-        ensure_fd_limit,
-    )
+    from clipserve.http.server import build_uvicorn_config, check_tls, draining_server
     from clipserve.inference.runtime import build_runtime
 
     # A bad key file or certificate fails in a second, not after the model has loaded.
@@ -87,7 +87,6 @@ def serve(config: ServerConfig) -> int:
     # from inside the lifespan protocol.
     runtime = build_runtime(config)
     app = create_app(config, runtime=runtime)
-    ensure_fd_limit(config.http.max_connections)
     server = draining_server(build_uvicorn_config(app, config.http))
     server.run()
     return 0

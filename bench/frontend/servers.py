@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -81,7 +82,7 @@ def start(
         root = psutil.Process(proc.pid)
         if profile is not None:
             root = root.children()[0]
-        wait_front_ends(root, s.front_ends)
+        wait_front_ends(root, s.front_ends, port)
         yield Running(s, proc, root, url)
     finally:
         _stop(proc, profile is not None)
@@ -126,11 +127,12 @@ def _listens(p: psutil.Process) -> bool:
 
 
 def role(p: psutil.Process, root: psutil.Process) -> str:
-    """What a server process is: a front end listens on the port; with --workers N > 1 the root
-    is the supervisor and the one other spawned child the engine."""
-    if p.pid == root.pid:
-        return "server" if _listens(p) else "supervisor"
+    """What a server process is. With --workers N > 1 the root is the supervisor (it holds the
+    shared listening socket too), the front ends are the children that hold it, and the one
+    other spawned child is the engine."""
     with contextlib.suppress(psutil.Error):
+        if p.pid == root.pid:
+            return "supervisor" if root.children() else "server"
         if "resource_tracker" in " ".join(p.cmdline()):
             return "resource tracker"
     return "front end" if _listens(p) else "engine"
@@ -146,16 +148,34 @@ def tree_cpu(root: psutil.Process) -> dict[int, tuple[float, str]]:
     return out
 
 
-def wait_front_ends(root: psutil.Process, n: int, timeout_s: float = 120) -> None:
-    """/readyz answers once one front end is up; load waits for all `n` (SO_REUSEPORT assigns a
-    connection to the sockets bound when it opens, for its lifetime)."""
+def wait_front_ends(root: psutil.Process, n: int, port: int, timeout_s: float = 120) -> None:
+    """/readyz answers once one front end is up; load waits until all `n` accept. Every front
+    end holds the shared listening socket from its start but accepts only once its app has
+    started, so this opens connections until `n` distinct processes have accepted one."""
     deadline = time.monotonic() + timeout_s
+    owners: set[int] = set()
     while time.monotonic() < deadline:
-        procs = [root, *root.children(recursive=True)]
-        if sum(_listens(p) for p in procs) >= n:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 5) as c:
+            owner = _accepted_by(root, c.getsockname()[1], port, deadline)
+            if owner is not None:
+                owners.add(owner)
+        if len(owners) >= n:
             return
-        time.sleep(0.2)
-    raise RuntimeError(f"{n} front ends not listening after {timeout_s:g} s")
+        time.sleep(0.05)
+    raise RuntimeError(f"{n} front ends not accepting after {timeout_s:g} s")
+
+
+def _accepted_by(root: psutil.Process, client_port: int, port: int, until: float) -> int | None:
+    """The pid of the process holding the server side of the connection from `client_port`."""
+    stop = min(until, time.monotonic() + 2)  # accepted, but maybe not yet by a process
+    while time.monotonic() < stop:
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                for c in p.net_connections("tcp"):
+                    if c.raddr and c.raddr.port == client_port and c.laddr.port == port:
+                        return p.pid
+        time.sleep(0.01)
+    return None
 
 
 @contextlib.contextmanager

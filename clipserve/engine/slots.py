@@ -7,16 +7,21 @@ the engine has answered for it, so the two never write one slot at once.
 
 A plain file and mmap rather than multiprocessing.shared_memory: its resource tracker would
 unlink a segment when any process that merely attached to it exits (Python < 3.13). Names
-carry the supervisor's pid, so the supervisor removes whatever a dead front end left.
+carry the supervisor's pid, so the supervisor removes whatever a dead front end left; and a
+supervisor holds a lock file for its life, so the next one removes what a killed one left.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import heapq
 import mmap
 import os
+import re
+import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +51,87 @@ def remove_segments(supervisor_pid: int, pid: int | None = None) -> int:
         path.unlink(missing_ok=True)
         removed += 1
     return removed
+
+
+def _lock_path(supervisor_pid: int) -> Path:
+    return shm_dir() / f"{segment_prefix(supervisor_pid)}lock"
+
+
+def hold_lock(supervisor_pid: int) -> int:
+    """Lock this supervisor's lock file for its life (the descriptor returned stays open; the
+    kernel releases the lock when the process dies, even by SIGKILL). Locked under another
+    name and then renamed into place, so a lock file that can be taken is a dead owner's."""
+    path = _lock_path(supervisor_pid)
+    fresh = path.with_name(f"{path.name}.new")
+    fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.replace(fresh, path)
+    return fd
+
+
+def release_lock(supervisor_pid: int, fd: int) -> None:
+    _lock_path(supervisor_pid).unlink(missing_ok=True)
+    os.close(fd)
+
+
+_OWNER = re.compile(r"clipserve-(\d+)-")
+
+
+def remove_stale(*directories: Path, keep: Path) -> dict[int, int]:
+    """Remove what dead supervisors left in `directories` (segments, temp dirs): the entries
+    named `clipserve-<pid>-...` whose supervisor is gone. Called by a supervisor at start with
+    its lock held: of its own pid's entries it keeps only `keep` (its temp dir) and the lock;
+    the rest are a killed predecessor's with the same pid. Returns the count per dead pid."""
+    me = os.getpid()
+    owned: dict[int, list[Path]] = {}
+    for directory in dict.fromkeys(directories):
+        for path in directory.glob("clipserve-*-*"):
+            match = _OWNER.match(path.name)
+            if match and path not in (keep, _lock_path(me)):
+                owned.setdefault(int(match.group(1)), []).append(path)
+    removed = {}
+    for pid, paths in owned.items():
+        with _if_dead(pid) if pid != me else contextlib.nullcontext(True) as dead:
+            if not dead:
+                continue
+            lock = _lock_path(pid)
+            for path in sorted(paths, key=lambda p: p == lock):  # the lock file last
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+            removed[pid] = len(paths)
+    return removed
+
+
+@contextlib.contextmanager
+def _if_dead(pid: int) -> Iterator[bool]:
+    """Whether the supervisor `pid` is gone: its lock file can be taken (and is held while the
+    block removes its files). No lock file: a clipserve from before lock files, gone when no
+    process has its pid."""
+    try:
+        fd = os.open(_lock_path(pid), os.O_RDWR)
+    except FileNotFoundError:
+        yield not _exists(pid)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        yield False  # held: its supervisor lives
+    else:
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class SlotArena:

@@ -1,12 +1,20 @@
 """The process tree behind `--workers N`: one engine, N front ends, restarts, drain, cleanup.
 
-The supervisor computes nothing and holds no sockets a client could reach. It starts the engine
-and waits until it has warmed up (a startup error is the CLI's one line and exit 2), then the
-front ends, each binding the port with SO_REUSEPORT so the kernel spreads connections over
-them. A front end that dies is restarted and its slot file removed; the engine cancels its
-requests when its control connection closes. An engine that dies is restarted too; meanwhile
-every front end answers 503 and its probes fail. SIGTERM (or SIGINT) drains the front ends
-first, then stops the engine, then removes the slot files, the socket and the metrics files.
+The supervisor computes nothing. It binds the port once (a taken port is the CLI's one line,
+as with one process) and every front end inherits that socket, as gunicorn's and uvicorn's own
+workers do: one accept queue, which a front end's death does not take with it (connections
+queued there wait for another front end; with a socket per front end, SO_REUSEPORT, the kernel
+resets those queued on the dead one's). The supervisor never listens itself: the first front
+end whose app has started does, so a client is refused while the model loads, not kept waiting.
+
+It starts the engine and waits until it has warmed up (a startup error is the CLI's one line
+and exit 2), then the front ends. A front end that dies is restarted, its slot file removed and
+its metrics files merged (`_forget`); the engine cancels its requests when its control
+connection closes. An engine that dies is restarted too; meanwhile every front end answers 503
+and its probes fail. SIGTERM (or SIGINT) drains the front ends first, then stops the engine,
+then removes the slot files, the socket and the metrics files. A supervisor killed outright
+leaves them; the next one to start removes them (`slots.remove_stale`: a dead supervisor's lock
+file can be taken).
 """
 
 from __future__ import annotations
@@ -27,9 +35,19 @@ from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from types import FrameType
 
+from prometheus_client import multiprocess
+from prometheus_client.mmap_dict import MmapedDict
+
 from clipserve.config import ServerConfig
 from clipserve.engine.messages import EngineReady, ModelCard
-from clipserve.engine.slots import remove_segments, segment_prefix, shm_dir
+from clipserve.engine.slots import (
+    hold_lock,
+    release_lock,
+    remove_segments,
+    remove_stale,
+    segment_prefix,
+    shm_dir,
+)
 from clipserve.errors import StartupError
 from clipserve.http.access import check_access
 from clipserve.http.buckets import BucketTable
@@ -58,12 +76,17 @@ class Supervisor:
         self.config = config
         self.ctx = multiprocessing.get_context("spawn")
         self.pid = os.getpid()
-        self.tmp = Path(tempfile.mkdtemp(prefix="clipserve-"))
+        # Held for life, before any file of ours exists: the next supervisor removes our files
+        # only once it can take this lock (slots.remove_stale).
+        self._lock = hold_lock(self.pid)
+        self.tmp = Path(tempfile.mkdtemp(prefix=segment_prefix(self.pid)))
+        self.listener: socket.socket | None = None  # the port, bound once for every front end
         self.socket_path = str(self.tmp / "engine.sock")
         self.card: ModelCard | None = None  # the engine's, once it is ready
         self.engine: Child | None = None
         self.engine_ready: Connection | None = None
         self.front: list[Child | None] = [None] * config.http.workers
+        self.metrics: Path | None = None  # PROMETHEUS_MULTIPROC_DIR, once set up
         self.stopping = False
         self.hangup = False  # SIGHUP: passed on to the front ends (they reload the key file)
         self._own_metrics_dir = MULTIPROC_ENV not in os.environ
@@ -76,6 +99,9 @@ class Supervisor:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._on_hangup)
         try:
+            stale = remove_stale(shm_dir(), Path(tempfile.gettempdir()), keep=self.tmp)
+            if stale:
+                log.info("removed what killed supervisors left (pid: files) %s", stale)
             check_access(self.config.access)  # a bad key file: one line, before the model loads
             check_tls(self.config.http)
             self._metrics_dir()
@@ -118,27 +144,30 @@ class Supervisor:
         """Prometheus multiprocess mode: every process writes its values under one directory,
         emptied at startup; each front end's /metrics sums them."""
         if self._own_metrics_dir:
-            path = self.tmp / "metrics"
-            path.mkdir()
-            os.environ[MULTIPROC_ENV] = str(path)
+            self.metrics = self.tmp / "metrics"
+            self.metrics.mkdir()
+            os.environ[MULTIPROC_ENV] = str(self.metrics)
             return
-        for stale in Path(os.environ[MULTIPROC_ENV]).glob("*.db"):
+        self.metrics = Path(os.environ[MULTIPROC_ENV])
+        for stale in self.metrics.glob("*.db"):
             stale.unlink()
 
     def _check_port(self) -> None:
-        """Fail at once, as one process would, when the port is taken (the probe is closed
-        before any front end binds, so it never receives a connection)."""
+        """Bind the port for every front end, failing at once, as one process would, when it
+        is taken. Bound, not listening: the front ends' uvicorn listens, with its backlog,
+        once an app has started; until then a client is refused rather than queued."""
         host, port = self.config.http.host, self.config.http.port
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
         try:  # without SO_REUSEPORT: a second clipserve on the port must not pass
-            with socket.socket(family, socket.SOCK_STREAM) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                probe.bind((host, port))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
         except OSError as e:
+            sock.close()
             raise StartupError(
-                f"--host/--port: cannot listen on {self.config.http.host}:"
-                f"{self.config.http.port} ({e.strerror})"
+                f"--host/--port: cannot listen on {host}:{port} ({e.strerror})"
             ) from None
+        self.listener = sock
 
     def _start_engine(self) -> None:
         from clipserve.engine.service import engine_main
@@ -172,8 +201,22 @@ class Supervisor:
     def _start_front(self, index: int, together: Barrier | None = None) -> None:
         from clipserve.engine.frontend import frontend_main
 
-        assert self.card is not None  # front ends start once the engine is ready
-        args = (self.config, self.socket_path, self.card, index, self.pid, together, self.buckets)
+        assert self.card is not None and self.listener is not None  # bound, engine ready
+        # The socket is pickled as its descriptor, which spawn passes to the child by
+        # inheritance (the pass_fds of its fork_exec: multiprocessing.reduction.DupFd under
+        # a spawning Popen), at the same number: no resource-sharer thread or SCM_RIGHTS
+        # round trip that could fail, and nothing for the child to wait on.
+        listener, buckets = self.listener, self.buckets
+        args = (
+            self.config,
+            self.socket_path,
+            self.card,
+            index,
+            self.pid,
+            listener,
+            together,
+            buckets,
+        )
         name = f"clipserve-frontend-{index}"
         process = self.ctx.Process(target=frontend_main, name=name, args=args)
         process.start()
@@ -226,9 +269,22 @@ class Supervisor:
                 child.process.exitcode,
                 child.restart_at - now,
             )
-            if child.name != "engine" and child.process.pid is not None:
-                remove_segments(self.pid, child.process.pid)
+            self._forget(child)
         return True
+
+    def _forget(self, child: Child) -> None:
+        """What an exited child leaves: a front end's slot files, and any child's metrics
+        files (merged: see `prune_metrics`). Never raises: the supervisor must go on."""
+        pid = child.process.pid
+        if pid is None:
+            return
+        if child.name != "engine":
+            remove_segments(self.pid, pid)
+        if self.metrics is not None:
+            try:
+                prune_metrics(self.metrics, pid)
+            except (OSError, ValueError, RuntimeError) as e:  # a file cut short, a full disk
+                log.warning("%s (pid %d): its metrics files not merged: %s", child.name, pid, e)
 
     def _restart_engine(self) -> None:
         self._start_engine()
@@ -243,6 +299,10 @@ class Supervisor:
     def _shutdown(self) -> None:
         """Front ends first (they drain their requests through the engine), then the engine."""
         self.stopping = True
+        if self.listener is not None:
+            # The front ends hold the socket until they stop accepting; then it closes, and
+            # new clients are refused rather than queued behind nobody.
+            self.listener.close()
         fronts = [c.process for c in self.front if c is not None]
         _terminate(fronts, self.config.http.drain_timeout_s + 10.0)
         if self.engine is not None:
@@ -253,6 +313,7 @@ class Supervisor:
         if self._own_metrics_dir:
             os.environ.pop(MULTIPROC_ENV, None)
         shutil.rmtree(self.tmp, ignore_errors=True)
+        release_lock(self.pid, self._lock)  # last: until here, our files are in use
 
 
 def _terminate(processes: list[BaseProcess], timeout_s: float) -> None:
@@ -266,6 +327,48 @@ def _terminate(processes: list[BaseProcess], timeout_s: float) -> None:
             log.error("%s did not stop in %.0f s; killing it", process.name, timeout_s)
             process.kill()
             process.join(5.0)
+
+
+# What a dead process's metrics files become: its counters, histograms and summaries added
+# into one file per type, named like a process's (`counter_merged.db`); never a pid.
+MERGED = "merged"
+ADDITIVE = ("counter", "histogram", "summary")  # a file's values per key sum across processes
+
+
+def prune_metrics(directory: Path, pid: int) -> None:
+    """Prune a dead process's files from the multiprocess directory. Its live gauges go
+    (`mark_process_dead`, the client library's own bookkeeping for a dead process), and its
+    other gauges too: each of ours describes a living process (a dead engine's cache is gone).
+    Its counters, histograms and summaries are added into `<type>_merged.db`, the raw values
+    key by key as `MultiProcessCollector.merge(accumulate=False)` sums them, so a total never
+    drops (Prometheus would read a reset) and the directory holds one set of files per live
+    process, plus the merged ones. The merged file is replaced whole (a scrape reads the old
+    or the new), then the dead one removed: a scrape that lands between the two counts the
+    dead process twice, for that one scrape."""
+    multiprocess.mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]
+    for path in directory.glob(f"*_{pid}.db"):
+        kind = path.name.split("_", 1)[0]
+        if kind in ADDITIVE:
+            _add_into(directory / f"{kind}_{MERGED}.db", path)
+        path.unlink(missing_ok=True)
+
+
+def _add_into(merged: Path, dead: Path) -> None:
+    totals: dict[str, float] = {}
+    for path in (merged, dead):
+        if path.exists():
+            values = MmapedDict.read_all_values_from_file(str(path))  # type: ignore[no-untyped-call]
+            for key, value, _timestamp, _position in values:
+                totals[key] = totals.get(key, 0.0) + value
+    fresh = merged.with_suffix(".new")  # not *.db: no scrape reads it half written
+    fresh.unlink(missing_ok=True)
+    out = MmapedDict(str(fresh))  # type: ignore[no-untyped-call]
+    try:
+        for key, value in totals.items():
+            out.write_value(key, value, 0.0)  # type: ignore[no-untyped-call]
+    finally:
+        out.close()  # type: ignore[no-untyped-call]
+    os.replace(fresh, merged)
 
 
 def supervise(config: ServerConfig) -> int:

@@ -25,7 +25,7 @@ from clipserve.http.access import Access, AccessGuard, MeteredTower
 from clipserve.http.doors import DOORS
 from clipserve.http.observer import RequestObserver
 from clipserve.http.pipeline import Pipeline, Serving
-from clipserve.http.request import ClientGone
+from clipserve.http.request import BodyBudget, ClientGone
 from clipserve.http.status import ErrorPages
 from clipserve.inference.runtime import Runtime, build_runtime
 from clipserve.inference.towers import Towers, add_status_gauges
@@ -96,17 +96,30 @@ def _access_running(access: Access | None) -> Iterator[None]:
         access.close()
 
 
+def _body_budget(config: ServerConfig, front_end: tuple[int, int] | None) -> BodyBudget:
+    """--max-body-bytes-in-flight: this process's, or the table every front end shares."""
+    capacity = config.limits.max_body_bytes_in_flight
+    if front_end is None:
+        return BodyBudget(capacity)
+    from clipserve.http.body_budget import SharedBodyBudget, budget_path
+
+    supervisor, index = front_end
+    return SharedBodyBudget(capacity, budget_path(supervisor), index, config.http.workers)
+
+
 def create_app(
     config: ServerConfig,
     runtime: Runtime | None = None,
     registry: CollectorRegistry | None = None,
     engine: tuple[str, ModelCard] | None = None,
     buckets: str | None = None,
+    front_end: tuple[int, int] | None = None,
 ) -> Starlette:
     """The ASGI app. Without a prebuilt `runtime`, the lifespan loads the model and warms up;
     with `engine` (its socket and model card), a front end of the engine process instead.
-    `buckets`: the rate limits' table shared by the front ends (--workers N). A bad key file
-    or rate limit raises StartupError here, before anything starts.
+    `buckets`: the rate limits' table shared by the front ends (--workers N). `front_end`:
+    this front end's supervisor pid and index, where the front ends share a body budget. A
+    bad key file or rate limit raises StartupError here, before anything starts.
 
     The lifespan owns everything it starts: towers -> decode pool, torn down in reverse; the
     runtime's executors are closed on shutdown either way.
@@ -122,7 +135,8 @@ def create_app(
             workers = rt.decode_workers(config.limits.decode_workers)
             pool = ThreadPoolExecutor(workers, thread_name_prefix="clipserve-decode")
             # Served with the config as resolved: batch and queue sizes for the devices.
-            pipeline = Pipeline(rt.config, rt, image, text, metrics, pool)
+            budget = _body_budget(config, front_end)
+            pipeline = Pipeline(rt.config, rt, image, text, metrics, pool, budget)
             app.state.pipeline = pipeline
             devices = ", ".join(rt.devices)
             log.info("serving %s with %s on %s", rt.model.identity, rt.backend, devices)
@@ -136,6 +150,7 @@ def create_app(
             finally:
                 gc.unfreeze()
                 pool.shutdown(wait=True)
+                budget.close()
 
     pages = ErrorPages(DOORS)
     app = Starlette(

@@ -88,6 +88,7 @@ class Pipeline(Generic[TicketT]):
         text: Tower[TicketT],
         metrics: Metrics,
         decode_pool: ThreadPoolExecutor,
+        body_budget: BodyBudget | None = None,
     ) -> None:
         self.config = config
         self.runtime = runtime
@@ -96,7 +97,8 @@ class Pipeline(Generic[TicketT]):
         self.towers: dict[TowerKind, Tower[TicketT]] = {"image": image, "text": text}
         self.metrics = metrics
         self.decode_pool = decode_pool
-        self.body_budget = BodyBudget(config.limits.max_body_bytes_in_flight)
+        # --max-body-bytes-in-flight: this process's own, unless the front ends share one.
+        self.body_budget = body_budget or BodyBudget(config.limits.max_body_bytes_in_flight)
         self.fetcher = ImageFetcher(config.access)
         self.cache_keys = (  # None: --cache-mb 0, nothing is hashed
             CacheKeys.of(config, model, runtime.backend, runtime.precision)

@@ -34,7 +34,8 @@ class ClientGone(Exception):
 
 
 class BodyBudget:
-    """Bytes of request bodies held in memory across all requests; past it, 503 overloaded."""
+    """Bytes of request bodies held in memory across all requests of this process; past it,
+    503 overloaded. With --workers N, `SharedBodyBudget` (http/body_budget.py) spans them all."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -50,6 +51,9 @@ class BodyBudget:
 
     def release(self, n: int) -> None:
         self.used -= n
+
+    def close(self) -> None:
+        """Nothing to free here; a shared budget unmaps its table."""
 
 
 async def _until_disconnected(receive: Receive) -> None:

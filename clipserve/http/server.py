@@ -6,6 +6,11 @@ sends (or drips) its headers, a cap on open connections that refuses the excess 
 lingering close. `GuardedHttpProtocol` adds those to `HttpToolsProtocol`; the fast path gains
 a few attribute checks per request (README, design notes). The CLI and the test servers build
 their `uvicorn.Config` with `build_uvicorn_config`, so tests run the real settings.
+
+Every socket counts against the budget in `http/connections.py`, checked against RLIMIT_NOFILE
+at start: served connections up to --max-connections, then refusals, which close within a
+second; past the budget the server stops accepting and the kernel's accept queue holds new
+clients.
 """
 
 from __future__ import annotations
@@ -14,11 +19,10 @@ import asyncio
 import contextlib
 import http
 import logging
-import math
 import signal
+import socket
 import ssl
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -28,37 +32,20 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from clipserve.config import HttpConfig
 from clipserve.errors import StartupError
+from clipserve.http.connections import (
+    AcceptGate,
+    Refusals,
+    refusal_room,
+)
 from clipserve.protocol.responses import encode_error
 
 log = logging.getLogger(__name__)
 
 LINGER_IDLE_S = 1.0  # a lingering client that sends nothing for this long is done
-CAP_LOG_INTERVAL_S = 10.0  # at most one "connection cap hit" warning per interval
-FD_HEADROOM = 256  # descriptors the process needs besides its client sockets
-
-
-class _Refusals:
-    """Connections refused at --max-connections, shared by one server's connections: how
-    many are still closing (they do not count as open), and a rate-limited warning (a flood
-    of refusals must not flood the log)."""
-
-    def __init__(self) -> None:
-        self.closing = 0
-        self.last = -math.inf
-        self.suppressed = 0
-
-    def log(self, open_connections: int) -> None:
-        now = time.monotonic()
-        if now - self.last < CAP_LOG_INTERVAL_S:
-            self.suppressed += 1
-            return
-        log.warning(
-            "refusing connections: %d open, the --max-connections limit (%d more refused since "
-            "the last such message)",
-            open_connections,
-            self.suppressed,
-        )
-        self.last, self.suppressed = now, 0
+# A chunked body's framing: per chunk, a size line of at most 16 hex digits (the parser's
+# own limit) and two CRLFs; per body, the last chunk and short trailers. More is padding.
+CHUNK_FRAMING = 16 + 4
+FRAMING_SLACK = 256
 
 
 class _LingeringClose(asyncio.Transport):
@@ -114,11 +101,13 @@ def error_bytes(
 
 class GuardedHttpProtocol(HttpToolsProtocol):
     """`HttpToolsProtocol` with a header byte cap (431), a header timeout (408, or a silent
-    close when nothing was sent), a cap on open connections (503 at once), and a lingering
-    close whenever the server answers before the request body has arrived."""
+    close when nothing was sent), a cap on open connections (503 at once) and on all sockets
+    (accepting pauses), a cap on a chunked body's framing bytes (400), JSON 400s that follow
+    the answers to the requests before the bad bytes, and a lingering close whenever the
+    server answers before the request body has arrived."""
 
     limits: ClassVar[HttpConfig]
-    refusals: ClassVar[_Refusals]
+    refusals: ClassVar[Refusals]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -129,12 +118,24 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._linger_deadline = 0.0
         self._linger_bytes = -1  # -1: not lingering; else bytes dropped since the last check
         self._refused = False
+        # A refusal waiting for the answer to the request before it; what arrives meanwhile
+        # is dropped (the parser has failed).
+        self._answer: bytes | None = None
+        # A body's bytes on the wire less its data, less an allowance per chunk: above 0, the
+        # framing is padded (chunk sizes with leading zeros, extensions, trailers).
+        self._framing = 0
+        refusals = self.refusals
+        refusals.pending += 1  # built as the socket is accepted: counted from here on
+        gate = refusals.gate
+        if gate is not None and len(self.connections) + refusals.pending >= refusals.pause_at:
+            gate.pause_soon()
 
     # Connection lifecycle
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)  # registered, so a shutdown closes it too
         refusals = self.refusals
+        refusals.pending -= 1
+        super().connection_made(transport)  # registered, so a shutdown closes it too
         open_before = len(self.connections) - refusals.closing - 1
         if open_before >= self.limits.max_connections:
             # Answered at once, before the request arrives: refusing must stay cheap for a
@@ -154,9 +155,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         for timer in (self._header_timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
+        refusals = self.refusals
         if self._refused:
-            self.refusals.closing -= 1
+            refusals.closing -= 1
         super().connection_lost(exc)
+        gate = refusals.gate
+        open_now = len(self.connections) + refusals.pending
+        if gate is not None and gate.paused and open_now < refusals.resume_below:
+            gate.resume_soon()
 
     def shutdown(self) -> None:
         if self._linger_bytes >= 0:
@@ -170,10 +176,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._linger_bytes >= 0:
             self._linger_bytes += len(data)
             return
+        if self._answer is not None:
+            return
         # The base class is called by name on this per-request path: no super() object.
         cycle = self.cycle
         if cycle is not None and cycle.more_body:  # body bytes
+            self._framing += len(data)
             HttpToolsProtocol.data_received(self, data)
+            if self._framing > 0:
+                message = "chunked body: chunk-size lines, extensions or trailers too long"
+                self._refuse(400, "invalid_request", message)
+                return
         else:  # bytes that start or continue a request's headers
             self._header_bytes += len(data)
             if self._header_bytes <= self._max_header_bytes:
@@ -207,10 +220,32 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._header_bytes = 0
+        self._framing = -FRAMING_SLACK
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
         HttpToolsProtocol.on_headers_complete(self)
+
+    def on_body(self, body: bytes) -> None:
+        self._framing -= len(body)
+        HttpToolsProtocol.on_body(self, body)
+
+    def on_chunk_header(self) -> None:
+        self._framing -= CHUNK_FRAMING
+
+    def on_message_complete(self) -> None:
+        self._framing = -(1 << 62)  # what follows in the packet is the next request's
+        HttpToolsProtocol.on_message_complete(self)
+
+    def on_response_complete(self) -> None:
+        if self._answer is None or self.pipeline:
+            HttpToolsProtocol.on_response_complete(self)
+            return
+        self.count_response()  # the answers ahead of the bad bytes are written: now theirs
+        answer, self._answer = self._answer, None
+        if not self.transport.is_closing():
+            self.transport.write(answer)
+            self.close_lingering()
 
     def count_response(self) -> None:
         """What on_response_complete counts, without its keep-alive work on a closing line."""
@@ -237,12 +272,25 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         return error_bytes(status, code, message, headers)
 
     def _refuse(self, status: int, code: str, message: str) -> None:
-        if self._linger_bytes >= 0 or self.transport.is_closing():
+        if self._linger_bytes >= 0 or self._answer is not None or self.transport.is_closing():
             return
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.transport.close()  # a response is being written here: no room for ours
+        answer = self._error(status, code, message)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if cycle.more_body and self.pipeline and self.pipeline[0][0] is cycle:
+                self.pipeline.popleft()  # the bad request itself, queued behind another
+            elif cycle.more_body and not cycle.response_started:
+                # This request's own body is malformed: its handler sees a disconnect.
+                cycle.disconnected = True
+                cycle.message_event.set()
+                self.transport.write(answer)
+                self.close_lingering()
+                return
+            # The bad bytes follow a request whose answer is not written yet: theirs comes
+            # after it (on_response_complete), as HTTP/1.1 orders answers.
+            self._answer = answer
             return
-        self.transport.write(self._error(status, code, message))
+        self.transport.write(answer)
         self.close_lingering()
 
     def close_lingering(self) -> None:
@@ -257,6 +305,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._header_timer = None
         self._unset_keepalive_if_required()
         timeout = self.limits.linger_timeout_s
+        if self._refused:  # a refused client has sent its request by now: free the socket
+            timeout = min(timeout, LINGER_IDLE_S)
         if timeout <= 0 or not transport.can_write_eof():
             transport.close()
             return
@@ -279,8 +329,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
 def protocol_class(config: HttpConfig) -> type[GuardedHttpProtocol]:
     """A protocol class bound to these limits, with its own refusal count (one per server)."""
+    refusals = Refusals(config.max_connections)
     return type(
-        "ClipserveHttpProtocol", (GuardedHttpProtocol,), {"limits": config, "refusals": _Refusals()}
+        "ClipserveHttpProtocol", (GuardedHttpProtocol,), {"limits": config, "refusals": refusals}
     )
 
 
@@ -297,6 +348,8 @@ def build_uvicorn_config(app: Any, config: HttpConfig, **overrides: Any) -> uvic
         "timeout_graceful_shutdown": config.drain_timeout_s,
         "access_log": False,
         "server_header": False,
+        # One accept round takes the whole queue before accepting can pause: fd_budget counts it.
+        "backlog": refusal_room(config.max_connections),
     }
     if config.ssl_certfile is not None:  # config.validate: the key comes with it
         check_tls(config)
@@ -319,27 +372,23 @@ def check_tls(config: HttpConfig) -> None:
         ) from None
 
 
-def ensure_fd_limit(max_connections: int) -> None:
-    """Raise the soft open-file limit so --max-connections sockets fit; past the limit,
-    accept() fails and new clients wait in the backlog instead of getting a fast 503."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = max_connections + FD_HEADROOM
-    if soft == resource.RLIM_INFINITY or soft >= want:
-        return
-    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
-    if new > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-    if new < want:
-        room = new - FD_HEADROOM
-        message = "open-file limit %d leaves room for %d connections, below --max-connections %d"
-        log.warning(message, new, room, max_connections)
-
-
 class DrainingServer(uvicorn.Server):
     """uvicorn re-raises SIGTERM once its graceful shutdown is done, so a fully drained server
-    would still die 'killed by signal'. Here a drained shutdown exits 0."""
+    would still die 'killed by signal'. Here a drained shutdown exits 0. Its protocol's
+    socket budget pauses and resumes accepting through an `AcceptGate`."""
+
+    gate: AcceptGate | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        protocol = self.config.http_protocol_class
+        if self.started and issubclass(protocol, GuardedHttpProtocol):
+            self.gate = protocol.refusals.gate = AcceptGate(self)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.gate is not None:
+            self.gate.close()
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

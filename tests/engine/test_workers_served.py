@@ -2,8 +2,8 @@
 
 One server serves the whole module, in order: batching across front ends, global admission,
 summed metrics, a killed front end, a killed engine, and last the SIGTERM drain and cleanup.
-Connections are pinned to front ends by the kernel (SO_REUSEPORT); psutil tells which front end
-holds which connection, so the tests know where each request went.
+A connection stays with the front end that accepted it from the port's one shared socket; psutil
+tells which front end holds which connection, so the tests know where each request went.
 """
 
 from __future__ import annotations
@@ -114,6 +114,19 @@ class Server:
                 conn.close()
         raise AssertionError(f"could not spread connections: {[len(c) for c in held.values()]}")
 
+    def all_accepting(self) -> bool:
+        """Whether every front end accepts: each holds the shared socket from its start, but
+        accepts only once its app has started."""
+        fronts = {p.pid for p in self.front_ends()}
+        owners = set()
+        for _ in range(20):
+            conn = self.connect()
+            owners.add(self.owner(conn))
+            conn.close()
+            if owners >= fronts:
+                return True
+        return False
+
     def get(self, path: str) -> tuple[int, dict[str, str], bytes]:
         conn = self.connect()
         try:
@@ -132,12 +145,13 @@ class Server:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited: {self.log.read_text()[-3000:]}")
             try:
-                return self.get("/readyz")[0] == 200 and len(self.front_ends()) == FRONT_ENDS
+                listening = len(self.front_ends()) == FRONT_ENDS
+                return self.get("/readyz")[0] == 200 and listening and self.all_accepting()
             except OSError:
                 return False
 
         try:
-            until(ready, timeout_s, "/readyz 200 and every front end listening", poll_s=0.2)
+            until(ready, timeout_s, "/readyz 200 and every front end accepting", poll_s=0.2)
         except AssertionError as e:
             raise AssertionError(f"{e}: {self.log.read_text()[-3000:]}") from None
 

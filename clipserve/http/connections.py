@@ -1,0 +1,147 @@
+"""The connection budget of one server process: sockets served up to --max-connections, then
+refusals (503, closed within a second), then accepting paused so the kernel's accept queue
+holds new clients; and the open-file limit checked against it at start (`fd_budget`)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import os
+import socket
+import time
+from typing import Any
+
+import uvicorn
+
+from clipserve.errors import StartupError
+
+log = logging.getLogger("clipserve.http.server")
+
+CAP_LOG_INTERVAL_S = 10.0  # at most one "connection cap hit" warning per interval
+FD_HEADROOM = 256  # descriptors the process needs besides its client sockets
+
+
+def refusal_room(max_connections: int) -> int:
+    """Sockets allowed beyond --max-connections while refusals close; also the listen backlog,
+    which bounds what one accept round brings in before accepting pauses."""
+    return max(64, max_connections // 4)
+
+
+def fd_budget(max_connections: int) -> int:
+    """Descriptors a server process may need: connections, refusals closing, one accept round
+    past the pause, and the process's own files."""
+    return max_connections + 2 * refusal_room(max_connections) + FD_HEADROOM
+
+
+class Refusals:
+    """Connections refused at --max-connections, shared by one server's connections: how
+    many are still closing (they do not count as open), sockets accepted but not yet
+    connected, the gate that pauses accepting past the socket budget, and a rate-limited
+    warning (a flood of refusals must not flood the log)."""
+
+    def __init__(self, max_connections: int) -> None:
+        self.closing = 0
+        self.pending = 0  # protocols built for accepted sockets, connection_made not yet run
+        room = refusal_room(max_connections)
+        self.pause_at = max_connections + room
+        self.resume_below = max_connections + room // 2
+        self.gate: AcceptGate | None = None  # set once the server listens (DrainingServer)
+        self.last = -math.inf
+        self.suppressed = 0
+
+    def log(self, open_connections: int) -> None:
+        now = time.monotonic()
+        if now - self.last < CAP_LOG_INTERVAL_S:
+            self.suppressed += 1
+            return
+        log.warning(
+            "refusing connections: %d open, the --max-connections limit (%d more refused since "
+            "the last such message)",
+            open_connections,
+            self.suppressed,
+        )
+        self.last, self.suppressed = now, 0
+
+
+def ensure_fd_limit(max_connections: int) -> None:
+    """Raise the soft open-file limit to `fd_budget`; a hard limit below it is a StartupError
+    (past it, accepting fails, and uvloop then drops queued clients with a reset)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = fd_budget(max_connections)
+    if hard != resource.RLIM_INFINITY and hard < need:
+        fits = max((m for m in range(1, max_connections) if fd_budget(m) <= hard), default=0)
+        lower = f" or lower --max-connections to {fits}" if fits else ""
+        raise StartupError(
+            f"open-file limit {hard} is below the {need} descriptors --max-connections "
+            f"{max_connections} needs (connections, refusals, {FD_HEADROOM} for the process): "
+            f"raise it (ulimit -n {need}){lower}"
+        )
+    if soft != resource.RLIM_INFINITY and soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+class AcceptGate:
+    """Stops and restarts accepting on a uvicorn server's listeners. Neither asyncio nor
+    uvloop can pause a listener, so pausing closes it and keeps a duplicate of each socket:
+    the socket, and its accept queue where new clients wait (no reset), live on, and resuming
+    serves the duplicates. Both run from the loop, never inside an accept callback."""
+
+    def __init__(self, server: uvicorn.Server) -> None:
+        self.server = server
+        self.paused = False
+        self.closed = False
+        self._held: list[socket.socket] = []
+        self._scheduled = False
+        self._task: asyncio.Task[None] | None = None
+
+    def pause_soon(self) -> None:
+        if not (self.paused or self._scheduled or self.closed):
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._pause)
+
+    def _pause(self) -> None:
+        self._scheduled = False
+        if self.paused or self.closed:
+            return
+        self.paused = True
+        for server in self.server.servers:
+            self._held += [socket.socket(fileno=os.dup(s.fileno())) for s in server.sockets]
+            server.close()
+        self.server.servers = []
+        log.warning("accepting paused: %d sockets open", len(self.server.server_state.connections))
+
+    def resume_soon(self) -> None:
+        if self.paused and self._task is None and not self.closed:
+            self._task = asyncio.get_running_loop().create_task(self._resume())
+
+    async def _resume(self) -> None:
+        config, server = self.server.config, self.server
+        protocol: Any = config.http_protocol_class  # uvicorn's classes take these keywords
+        factory = functools.partial(
+            protocol,
+            config=config,
+            server_state=server.server_state,
+            app_state=server.lifespan.state,
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            while self._held and not self.closed:
+                sock = self._held.pop()
+                listener = await loop.create_server(
+                    factory, sock=sock, ssl=config.ssl, backlog=config.backlog
+                )
+                server.servers.append(listener)
+            self.paused = False
+        finally:
+            self._task = None
+
+    def close(self) -> None:
+        """At shutdown: accept nothing more."""
+        self.closed = True
+        for sock in self._held:
+            sock.close()
+        self._held.clear()

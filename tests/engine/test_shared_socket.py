@@ -1,0 +1,245 @@
+"""`--workers N` serve one listening socket, bound by the supervisor and inherited by every front
+end: one accept queue, which outlives any one front end. Real processes, sockets and signals.
+
+With a socket per front end (SO_REUSEPORT) the kernel resets the connections queued on a dead
+front end's socket, which no other front end could accept; here only the requests the dead front
+end had itself accepted may fail.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+from PIL import Image
+
+from clipserve.loadgen.procs import free_port
+from tests.helpers import self_signed_cert, until
+
+KEEP_ALIVE_CLIENTS = 32
+NEW_CONNECTION_CLIENTS = 4  # each opens a connection per request
+STOPPED_S = 1.0  # the victim stopped before its kill: new clients arrive meanwhile
+FAILURE = (OSError, http.client.HTTPException)
+
+
+def _jpeg() -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 80, 160)).save(out, "JPEG")
+    return out.getvalue()
+
+
+JPEG = _jpeg()
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    tls: ssl.SSLContext | None = None
+
+    def connection(self, timeout: float = 30) -> http.client.HTTPConnection:
+        if self.tls is None:
+            return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        return http.client.HTTPSConnection(
+            "127.0.0.1", self.port, timeout=timeout, context=self.tls
+        )
+
+    def front_ends(self) -> set[int]:
+        """The supervisor's children that hold the port's socket (the engine does not)."""
+        found = set()
+        for child in psutil.Process(self.proc.pid).children():
+            try:
+                if any(c.laddr.port == self.port for c in child.net_connections("tcp")):
+                    found.add(child.pid)
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
+    def accepted_by(self, pid: int) -> set[int]:
+        """The client ports of the connections that front end has accepted."""
+        conns = psutil.Process(pid).net_connections("tcp")
+        return {c.raddr.port for c in conns if c.raddr and c.laddr.port == self.port}
+
+    def owner(self, client_port: int) -> int | None:
+        for pid in self.front_ends():
+            try:
+                if client_port in self.accepted_by(pid):
+                    return pid
+            except psutil.NoSuchProcess:
+                continue
+        return None
+
+    def all_accepting(self, count: int) -> bool:
+        """`count` front ends, each of which has accepted one of a few new connections (a
+        front end holds the socket from its start, but accepts only once its app has)."""
+        fronts = self.front_ends()
+        if len(fronts) != count:
+            return False
+        seen: set[int | None] = set()
+        for _ in range(40):
+            conn = self.connection(5)
+            try:
+                conn.request("GET", "/healthz")
+                conn.getresponse().read()
+                assert conn.sock is not None
+                seen.add(self.owner(conn.sock.getsockname()[1]))
+            except FAILURE:
+                return False
+            finally:
+                conn.close()
+            if fronts <= seen:
+                return True
+        return False
+
+
+@contextmanager
+def workers(tiny_config: Path, tmp: Path, *extra: str) -> Iterator[Server]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "clipserve", "--workers", "2", "--backend", "fake"]
+    cmd += ["--backend-option", "latency_ms=20", "--model", str(tiny_config)]
+    cmd += ["--pretrained", "none", "--gpus", "cpu", "--cache-mb", "0", "--max-queue-size", "512"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "info", *extra]
+    log = tmp / "server.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    server = Server(proc, port, log)
+    if "--ssl-certfile" in extra:
+        server.tls = ssl.create_default_context(cafile=extra[extra.index("--ssl-certfile") + 1])
+    try:
+        until(lambda: proc.poll() is None and server.all_accepting(2), 120, "2 front ends")
+        yield server
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class Load:
+    """Keep-alive clients and clients that open a connection per request, each recording
+    (client port, status or error) per request until stopped."""
+
+    server: Server
+    results: list[tuple[int | None, int | str]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> None:
+        for i in range(KEEP_ALIVE_CLIENTS + NEW_CONNECTION_CLIENTS):
+            keep_alive = i < KEEP_ALIVE_CLIENTS
+            thread = threading.Thread(target=self._client, args=(keep_alive,), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def _client(self, keep_alive: bool) -> None:
+        conn: http.client.HTTPConnection | None = None
+        while not self.stop.is_set():
+            port = None
+            try:
+                if conn is None:
+                    conn = self.server.connection()
+                    conn.connect()
+                assert conn.sock is not None
+                port = conn.sock.getsockname()[1]
+                headers = {"Content-Type": "image/jpeg"}
+                if not keep_alive:
+                    headers["Connection"] = "close"
+                conn.request("POST", "/embed", body=JPEG, headers=headers)
+                response = conn.getresponse()
+                response.read()
+                self.results.append((port, response.status))
+            except FAILURE as e:
+                self.results.append((port, type(e).__name__))
+                conn.close()
+                conn = None
+                continue
+            if not keep_alive:
+                conn.close()
+                conn = None
+        if conn is not None:
+            conn.close()
+
+    def finish(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(60)
+            assert not thread.is_alive(), "a client hung"
+
+
+def test_a_killed_front_end_loses_only_the_connections_it_had_accepted(
+    tiny_config: Path, tmp_path: Path
+) -> None:
+    """Under load, one front end is stopped (so new clients arrive while it cannot accept:
+    with a socket of its own, the kernel would queue some on it) and then killed. Only the
+    connections it had accepted may fail; every other one gets an answer, and keeps getting
+    them while the front end restarts."""
+    with workers(tiny_config, tmp_path) as server:
+        load = Load(server)
+        load.start()
+        try:
+            until(lambda: len(load.results) >= 200, 60, "the load running")
+            victim = min(server.front_ends())
+            stopped_at = len(load.results)
+            psutil.Process(victim).suspend()
+            time.sleep(STOPPED_S)  # new clients keep arriving while it cannot accept
+            accepted = server.accepted_by(victim)  # frozen: a stopped process accepts nothing
+            mark = len(load.results)
+            psutil.Process(victim).kill()
+            until(lambda: not psutil.pid_exists(victim) or _zombie(victim), 10, "victim dead")
+            killed_at = len(load.results)
+            # The load goes on until the restarted front end serves too.
+            until(lambda: server.all_accepting(2), 120, "the front end restarted", poll_s=0.2)
+            until(lambda: len(load.results) >= killed_at + 200, 60, "load after the kill")
+        finally:
+            load.finish()
+    failed = [(port, r) for port, r in load.results if not isinstance(r, int)]
+    lost = [(port, r) for port, r in failed if port not in accepted]
+    assert not lost, f"{len(lost)} connections the dead front end never accepted failed: {lost}"
+    assert len(failed) <= len(accepted)
+    statuses = {r for _, r in load.results if isinstance(r, int)}
+    assert statuses <= {200, 503}, statuses
+    # The run was what it says: the other front end answered while the victim was stopped,
+    # and both after its restart.
+    assert any(isinstance(r, int) for _, r in load.results[stopped_at:mark])
+    assert sum(isinstance(r, int) for _, r in load.results[killed_at:]) >= 200 - len(failed)
+    assert "Traceback" not in server.log.read_text()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_tls_with_two_front_ends_on_the_shared_socket(tiny_config: Path, tmp_path: Path) -> None:
+    cert, key = self_signed_cert(tmp_path)
+    tls = ["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
+    with workers(tiny_config, tmp_path, *tls) as server:
+        assert server.tls is not None
+        # all_accepting saw both front ends accept a TLS connection and answer on it.
+        conn = server.connection()
+        conn.request("POST", "/embed", body=JPEG, headers={"Content-Type": "image/jpeg"})
+        response = conn.getresponse()
+        body = json.loads(response.read())
+        conn.close()
+        assert response.status == 200, body
+        assert len(body["embedding"]) == json.loads(tiny_config.read_text())["embed_dim"]
