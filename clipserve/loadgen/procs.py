@@ -75,6 +75,10 @@ def clipserve_process(
     cmd = [sys.executable, "-m", "clipserve", *flags, "--host", "127.0.0.1", "--port", str(port)]
     if "--log-level" not in flags:
         cmd += ["--log-level", "warning"]
+    if "--cache-mb" not in flags and _has_cache(cwd):
+        # Benchmarks send one payload over and over: with the embedding cache on, they would
+        # measure its hits, not the path to the device. bench/cache.py turns it on itself.
+        cmd += ["--cache-mb", "0"]
     stderr = None if stdout is None else subprocess.STDOUT
     proc = subprocess.Popen(cmd, preexec_fn=pin(cpus), cwd=cwd, stdout=stdout, stderr=stderr)
     url = f"http://127.0.0.1:{port}"
@@ -83,6 +87,14 @@ def clipserve_process(
         yield proc, url
     finally:
         stop(proc)
+
+
+def _has_cache(tree: Path | None) -> bool:
+    """Whether the server imported from `tree` (None: this one) has --cache-mb."""
+    if tree is None:
+        return True
+    config = tree / "clipserve" / "config.py"
+    return config.is_file() and "cache_mb" in config.read_text()
 
 
 @contextlib.contextmanager
