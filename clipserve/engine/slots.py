@@ -112,7 +112,7 @@ def _if_dead(pid: int) -> Iterator[bool]:
     try:
         fd = os.open(_lock_path(pid), os.O_RDWR)
     except FileNotFoundError:
-        yield not _exists(pid)
+        yield not process_exists(pid)
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -124,7 +124,8 @@ def _if_dead(pid: int) -> Iterator[bool]:
         os.close(fd)
 
 
-def _exists(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
+    """Whether some process has this pid (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -16,7 +16,7 @@ import os
 import struct
 from pathlib import Path
 
-from clipserve.engine.slots import segment_prefix, shm_dir
+from clipserve.engine.slots import process_exists, segment_prefix, shm_dir
 from clipserve.errors import Overloaded, StartupError
 from clipserve.http.request import BodyBudget
 
@@ -83,7 +83,7 @@ class SharedBodyBudget(BodyBudget):
         held = []
         for i in range(0, len(slots), 2):
             pid, size = slots[i], slots[i + 1]
-            if size and pid > 0 and pid != os.getpid() and not _alive(pid):
+            if size and pid > 0 and pid != os.getpid() and not process_exists(pid):
                 _SLOT.pack_into(self._mm, i // 2 * _SLOT.size, pid, 0)
                 size = 0
             held.append(size)
@@ -93,13 +93,3 @@ class SharedBodyBudget(BodyBudget):
         self.release(self.used)
         self._mm.close()
         os.close(self._fd)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
