@@ -134,6 +134,12 @@ class HttpConfig:
     )
     log_level: str = _opt("info", "log level", choices=LOG_LEVELS)
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, how long in-flight requests may finish")
+    heartbeat_timeout_s: float = _opt(
+        10.0,
+        "--workers N: a process whose event loop is silent this long, or whose device batch "
+        "runs this long past its measured time, is hung: /readyz answers 503, the supervisor "
+        "kills and restarts it",
+    )
     max_connections: int = _opt(
         1000, "most open client connections; more are answered 503 at once and closed"
     )
@@ -382,6 +388,11 @@ def validate(config: ServerConfig) -> None:
     _require(1 <= h.workers <= 256, "workers", "must be in 1..256")
     _require(h.log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
     _require(h.drain_timeout_s >= 0, "drain_timeout_s", "must not be negative")
+    _require(
+        h.heartbeat_timeout_s >= 1,
+        "heartbeat_timeout_s",
+        "must be at least 1 (a process stamps its heartbeat every 0.5 s)",
+    )
     _require(h.max_connections >= 1, "max_connections", "must be at least 1")
     _require(h.max_header_bytes >= 1024, "max_header_bytes", "must be at least 1024")
     _require(h.header_timeout_s > 0, "header_timeout_s", "must be positive")

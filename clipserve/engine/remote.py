@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,6 +23,12 @@ from clipserve.backends.device import is_cpu
 from clipserve.batching.tower import CachingTower, Completed, TowerKind
 from clipserve.config import ServerConfig, resolve_workers
 from clipserve.engine import wire
+from clipserve.engine.heartbeat import (
+    HeartbeatWriter,
+    heartbeat_path,
+    keep_beating,
+    restart_deadline_s,
+)
 from clipserve.engine.messages import ModelCard, Status, ToEngine, ToFront, WorkerRow
 from clipserve.engine.slots import SlotArena, segment_path
 from clipserve.errors import NotReady
@@ -143,7 +150,12 @@ class _Pending:
 
 class EngineLink:
     """One connection to the engine, reconnecting after the engine restarts. Every `admit`
-    and `run` gets one answer; a run's slots are free again only once it has come."""
+    and `run` gets one answer; a run's slots are free again only once it has come.
+
+    The engine pushes its status every 0.25 s: a connected engine silent for longer than
+    --heartbeat-timeout-s is hung (stopped, or its loop blocked), and its workers count as dead
+    (/readyz 503, new requests 503 at once) until it speaks again or the supervisor replaces
+    it. The link also stamps this front end's own heartbeat, on this process's loop."""
 
     def __init__(self, socket_path: str, config: ServerConfig, card: ModelCard) -> None:
         self.socket_path = socket_path
@@ -163,27 +175,55 @@ class EngineLink:
         self._ids = 0
         self._task: asyncio.Task[None] | None = None
         self._first = asyncio.get_running_loop().create_future()
+        self.timeout_s = config.http.heartbeat_timeout_s
+        self._heard = time.monotonic()  # the engine's last frame
+        self._beats: HeartbeatWriter | None = None
+        self._beating: asyncio.Task[None] | None = None
+
+    def silent_s(self) -> float:
+        """Seconds since the connected engine last spoke (0 while not connected)."""
+        return time.monotonic() - self._heard if self.connected else 0.0
+
+    def silence(self) -> str | None:
+        """Why the engine counts as hung, or None while it speaks (or is not connected)."""
+        silent = self.silent_s()
+        if silent <= self.timeout_s:
+            return None
+        return f"the engine process has not reported for {silent:.1f} s; retry"
+
+    @property
+    def gone(self) -> bool:
+        """Liveness: not connected, or silent past the time the supervisor had to replace it."""
+        return not self.connected or self.silent_s() > restart_deadline_s(self.timeout_s)
 
     def snapshot(self) -> Status:
-        """The engine's last pushed status; every worker dead while it is not connected."""
-        if self.connected:
+        """The engine's last pushed status; every worker dead while it is not connected or
+        silent too long."""
+        why = ENGINE_GONE if not self.connected else self.silence()
+        if why is None:
             return self.status
         towers: dict[TowerKind, list[WorkerRow]] = {
-            kind: [{"device": w["device"], "alive": False, "error": ENGINE_GONE} for w in rows]
+            kind: [{"device": w["device"], "alive": False, "error": why} for w in rows]
             for kind, rows in self.status["towers"].items()
         }
         return {**self.status, "towers": towers}
 
     async def start(self, timeout_s: float) -> None:
         """Connect (the engine is up before front ends start), keep reconnecting after."""
+        path = heartbeat_path(Path(self.socket_path).parent, os.getpid())
+        self._beats = HeartbeatWriter(path)
+        self._beating = asyncio.create_task(keep_beating(self._beats))
         self._task = asyncio.create_task(self._maintain())
         async with asyncio.timeout(timeout_s):
             await asyncio.shield(self._first)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, self._beating) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._beats is not None:
+            self._beats.close()
         self.arena.close(unlink=True)
 
     def _new_arena(self) -> SlotArena:
@@ -241,6 +281,7 @@ class EngineLink:
                 entry.future.set_exception(NotReady(ENGINE_GONE))
 
     def _on_frame(self, msg: ToFront) -> None:
+        self._heard = time.monotonic()
         if msg["t"] == "status":
             self.status = msg
             return
@@ -282,10 +323,11 @@ class EngineLink:
         self, rid: int, slots: list[int] | None = None, size: int = 0
     ) -> asyncio.Future[Answer]:
         """Register for the one answer to `rid`; the slots are given back when it comes."""
-        if not self.connected:
+        why = ENGINE_GONE if not self.connected else self.silence()
+        if why is not None:  # a silent engine would answer by the deadline at best: 503 now
             if slots:
                 self.arena.give_back(slots)
-            raise NotReady(ENGINE_GONE)
+            raise NotReady(why)
         future = asyncio.get_running_loop().create_future()
         self._pending[rid] = _Pending(future, slots or [], size)
         return future
@@ -319,13 +361,18 @@ class RemoteTower:
 
     @property
     def workers(self) -> list[WorkerStatus]:
+        """Readiness: every worker dead while the engine is not connected or silent."""
         if not self.link.connected:
             return [WorkerStatus("engine", self.kind, False, "engine process not connected")]
-        return worker_statuses(self.link.status, self.kind)
+        return worker_statuses(self.link.snapshot(), self.kind)
 
     @property
     def alive(self) -> bool:
-        return any(w.alive for w in self.workers)
+        """Liveness: a silent engine is the supervisor's to replace, so this stays true until
+        that should have happened (`EngineLink.gone`)."""
+        if self.link.gone:
+            return False
+        return any(w.alive for w in worker_statuses(self.link.status, self.kind))
 
     def depth(self) -> int:
         return self.link.status["depth"].get(self.kind, 0)

@@ -20,6 +20,13 @@ from pathlib import Path
 from clipserve.batching import Batcher, Ticket, TowerKind
 from clipserve.config import ServerConfig
 from clipserve.engine import wire
+from clipserve.engine.heartbeat import (
+    Busy,
+    HeartbeatWriter,
+    busiest,
+    heartbeat_path,
+    keep_beating,
+)
 from clipserve.engine.messages import (
     AdmitFrame,
     DoneFrame,
@@ -108,6 +115,8 @@ class EngineService:
             self._connection, path=str(socket_path)
         )
         pusher = asyncio.create_task(self._push_status())
+        beats = HeartbeatWriter(heartbeat_path(socket_path.parent, os.getpid()))
+        beating = asyncio.create_task(keep_beating(beats, self._busiest))
         runtime = self.runtime
         devices = ", ".join(runtime.devices)
         log.info(
@@ -119,6 +128,8 @@ class EngineService:
             await stop.wait()
         finally:
             pusher.cancel()
+            beating.cancel()
+            beats.close()
             server.close()
             channels = [f.channel for f in self.front_ends if f.channel is not None]
             for channel in channels:
@@ -134,6 +145,15 @@ class EngineService:
             async with asyncio.timeout(timeout_s):
                 await self._none_connected.wait()
         stop.set()
+
+    def _busiest(self) -> Busy | None:
+        """The device worker due soonest, for the heartbeat: a batch is due its measured time
+        plus --heartbeat-timeout-s; before any is measured, the request deadline's worth (a
+        batch that outlasts it can answer none of its requests anyway)."""
+        assert self.towers is not None
+        config = self.runtime.config
+        workers = [*self.towers.image.workers, *self.towers.text.workers]
+        return busiest(workers, config.http.heartbeat_timeout_s, config.limits.request_timeout_s)
 
     async def _push_status(self) -> None:
         assert self.towers is not None

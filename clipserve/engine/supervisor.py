@@ -39,6 +39,7 @@ from prometheus_client import multiprocess
 from prometheus_client.mmap_dict import MmapedDict
 
 from clipserve.config import ServerConfig
+from clipserve.engine.heartbeat import HeartbeatReader, LivenessMetrics, heartbeat_path, hung
 from clipserve.engine.messages import EngineReady, ModelCard
 from clipserve.engine.slots import (
     hold_lock,
@@ -66,12 +67,23 @@ class Child:
     started: float = field(default_factory=time.monotonic)
     failures: int = 0  # consecutive quick deaths, for the restart backoff
     restart_at: float | None = None
+    # An engine restarting: when it must be ready by. Its heartbeat is watched only after.
+    ready_by: float | None = None
+    cause: str = "exited"  # why it is restarted: "hung" once killed for missing its deadline
+    heart: HeartbeatReader | None = None
 
     def backoff_s(self) -> float:
         return min(BACKOFF_MAX_S, 0.5 * 2.0 ** max(self.failures - 1, 0))
 
+    @property
+    def label(self) -> str:
+        """The metrics' `process` label: engine, frontend-0, ..."""
+        return self.name.replace("front end ", "frontend-")
+
 
 class Supervisor:
+    _liveness: LivenessMetrics | None = None  # set by _monitor: ages, restarts by cause
+
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.ctx = multiprocessing.get_context("spawn")
@@ -225,18 +237,51 @@ class Supervisor:
         self.front[index] = Child(f"front end {index}", process, failures=failures)
 
     def _monitor(self) -> None:
-        while not self.stopping:
-            children = [c for c in (self.engine, *self.front) if c is not None]
-            wait([c.process.sentinel for c in children if c.restart_at is None], timeout=0.2)
-            if self.hangup:
-                self.hangup = False
-                self._pass_on_hangup()
-            now = time.monotonic()
-            for index, child in enumerate(self.front):
-                if child is not None and self._due(child, now):
-                    self._start_front(index)
-            if self.engine is not None and self._due(self.engine, now):
-                self._restart_engine()
+        """Every 0.2 s at most: restart what exited, kill what is hung (`_watch`), follow a
+        restarting engine to readiness; front ends are restarted once the engine is ready."""
+        self._liveness = LivenessMetrics(self.metrics) if self.metrics is not None else None
+        try:
+            while not self.stopping:
+                children = [c for c in (self.engine, *self.front) if c is not None]
+                wait([c.process.sentinel for c in children if c.restart_at is None], timeout=0.2)
+                if self.hangup:
+                    self.hangup = False
+                    self._pass_on_hangup()
+                now = time.monotonic()
+                self._engine_starting(now)
+                children = [c for c in (self.engine, *self.front) if c is not None]
+                ages = {child.label: self._watch(child, now) for child in children}
+                if self._liveness is not None:
+                    self._liveness.ages(ages)
+                starting = self.engine is not None and self.engine.ready_by is not None
+                for index, child in enumerate(self.front):
+                    if child is not None and self._due(child, now) and not starting:
+                        self._start_front(index)
+                if self.engine is not None and self._due(self.engine, now):
+                    self._restart_engine()
+        finally:
+            if self._liveness is not None:
+                self._liveness.close()
+                self._liveness = None
+
+    def _watch(self, child: Child, now: float) -> float:
+        """The child's heartbeat age; a child that missed its deadline is logged and killed
+        (SIGKILL: a stopped process cannot take SIGTERM), and `_exited` restarts it as it
+        would a dead one. Not while it is starting (an engine warming up has its own limit,
+        ENGINE_START_TIMEOUT_S), exiting, already killed, or while stopping."""
+        pid = child.process.pid
+        if child.heart is None and pid is not None:
+            child.heart = HeartbeatReader(heartbeat_path(self.tmp, pid))
+        beat = child.heart.read() if child.heart is not None else None
+        age = now - (beat.at if beat is not None else child.started)
+        if self.stopping or child.ready_by is not None or child.cause == "hung":
+            return age
+        why = hung(beat, now, self.config.http.heartbeat_timeout_s, child.started)
+        if why is not None and child.process.is_alive():
+            log.error("%s (pid %s) is hung: %s; killing it", child.name, pid, why)
+            child.cause = "hung"
+            child.process.kill()
+        return age
 
     def _pass_on_hangup(self) -> None:
         """SIGHUP: every front end reloads the key file now (they also notice a change
@@ -262,13 +307,19 @@ class Supervisor:
             quick = now - child.started < 10.0
             child.failures = child.failures + 1 if quick else 1
             child.restart_at = now + (child.backoff_s() if quick else 0.0)
+            how = "was killed" if child.cause == "hung" else "exited"
             log.error(
-                "%s (pid %s) exited with %s; restarting it in %.1f s",
+                "%s (pid %s) %s with %s; restarting it in %.1f s",
                 child.name,
                 child.process.pid,
+                how,
                 child.process.exitcode,
                 child.restart_at - now,
             )
+            if self._liveness is not None:
+                self._liveness.restarted(child.label, child.cause)
+            if child.heart is not None:
+                child.heart.close(unlink=True)
             self._forget(child)
         return True
 
@@ -287,14 +338,29 @@ class Supervisor:
                 log.warning("%s (pid %d): its metrics files not merged: %s", child.name, pid, e)
 
     def _restart_engine(self) -> None:
+        """Start a new engine and return: `_engine_starting` sees it become ready, while
+        `_monitor` goes on watching the front ends."""
         self._start_engine()
-        try:
-            self._wait_engine_ready()
-        except StartupError as e:
-            log.error("the engine did not restart: %s", e)
+        assert self.engine is not None
+        self.engine.ready_by = time.monotonic() + ENGINE_START_TIMEOUT_S
+
+    def _engine_starting(self, now: float) -> None:
+        engine, ready = self.engine, self.engine_ready
+        if engine is None or engine.ready_by is None or ready is None:
             return
-        pid = self.engine.process.pid if self.engine else None
-        log.info("engine restarted (pid %s); front ends reconnect", pid)
+        if not ready.poll():  # neither its word nor, once it died, the pipe's end
+            if now > engine.ready_by and engine.cause != "hung":
+                log.error("the engine was not ready in %.0f s; killing it", ENGINE_START_TIMEOUT_S)
+                engine.cause = "hung"
+                engine.process.kill()
+            return
+        engine.ready_by = None
+        try:
+            self._wait_engine_ready()  # its word is there: returns or raises at once
+        except StartupError as e:
+            log.error("the engine did not restart: %s", e)  # it exits: _exited restarts it
+            return
+        log.info("engine restarted (pid %s); front ends reconnect", engine.process.pid)
 
     def _shutdown(self) -> None:
         """Front ends first (they drain their requests through the engine), then the engine."""
