@@ -140,6 +140,11 @@ class HttpConfig:
         "runs this long past its measured time, is hung: /readyz answers 503, the supervisor "
         "kills and restarts it",
     )
+    front_end_nice: int = _opt(
+        0,
+        "--workers N: niceness added to the front ends, so that when the CPU is short (a "
+        "retry storm while the engine restarts) the engine, which feeds the devices, runs first",
+    )
     max_connections: int = _opt(
         1000, "most open client connections; more are answered 503 at once and closed"
     )
@@ -393,6 +398,7 @@ def validate(config: ServerConfig) -> None:
         "heartbeat_timeout_s",
         "must be at least 1 (a process stamps its heartbeat every 0.5 s)",
     )
+    _require(0 <= h.front_end_nice <= 19, "front_end_nice", "must be in 0..19")
     _require(h.max_connections >= 1, "max_connections", "must be at least 1")
     _require(h.max_header_bytes >= 1024, "max_header_bytes", "must be at least 1024")
     _require(h.header_timeout_s > 0, "header_timeout_s", "must be positive")

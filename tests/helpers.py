@@ -29,6 +29,7 @@ import uvicorn
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
+from clipserve.backends.fake import FakeExecutor
 from clipserve.batching import Batcher
 from clipserve.config import ServerConfig, load_config
 from clipserve.http.app import create_app
@@ -210,7 +211,17 @@ def running(config: ServerConfig) -> Iterator[RunningServer]:
         )
     )
     with uvicorn_thread(server) as url:
-        yield RunningServer(url, app, config)
+        served = RunningServer(url, app, config)
+        _forget_timed_batches(served)
+        yield served
+
+
+def _forget_timed_batches(server: RunningServer) -> None:
+    """Tests count what their requests ran: the image executors' timed batches after warm-up
+    (`Runtime.warm_costs`) are forgotten once the server is up."""
+    for executor in server.state.runtime.executors:
+        if isinstance(executor, FakeExecutor):
+            executor.forget_runs()
 
 
 @contextlib.contextmanager

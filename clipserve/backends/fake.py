@@ -7,6 +7,8 @@ GPU. Options (`--backend-option KEY=VALUE`):
   fail_pixel       raise for a batch holding an image whose top-left red value equals this
   fatal_pixel      as fail_pixel, but raise ExecutorFatal (the device is lost)
   nan_pixel        the embedding of an image whose top-left red value equals this is all NaN
+  hang_pixel       a batch holding such an image never finishes (a device call that does not
+                   return): until the executor is closed, then it fails
   oom_above        raise an out-of-memory RuntimeError, as torch does, for batches larger than this
   compute          0: skip the per-image features; each embedding is a row of a fixed table chosen
                    by the image's first value, so benchmarks measure the server, not the fake
@@ -74,6 +76,7 @@ class FakeExecutor:
         fail_pixel: int | None = None,
         fatal_pixel: int | None = None,
         nan_pixel: int | None = None,
+        hang_pixel: int | None = None,
         oom_above: int | None = None,
         compute: bool = True,
         stream: bool = False,
@@ -86,6 +89,8 @@ class FakeExecutor:
         self.fail_pixel = fail_pixel
         self.fatal_pixel = fatal_pixel
         self.nan_pixel = nan_pixel
+        self.hang_pixel = hang_pixel
+        self._closing = threading.Event()  # what a hung batch waits for
         self.oom_above = oom_above
         self.info = ExecutorInfo("fake", device, "fp32", spec.size, embed_dim)
         rng = np.random.default_rng(0)
@@ -100,6 +105,12 @@ class FakeExecutor:
     def items_run(self) -> int:
         with self._lock:
             return sum(self.batches)
+
+    def forget_runs(self) -> None:
+        """Empty `batches` and `attempts`: tests count from here (after start-up's runs)."""
+        with self._lock:
+            self.batches.clear()
+            self.attempts.clear()
 
     def features(self, batch: np.ndarray) -> np.ndarray:
         """(N, 48) per-channel means over a 4x4 grid of the normalised image. Normalisation is
@@ -153,6 +164,9 @@ class FakeExecutor:
                 raise ExecutorFatal(f"simulated device loss on {self.info.device}")
             if self.fail_pixel is not None and self.fail_pixel in marks:
                 raise RuntimeError(f"simulated executor failure on {self.info.device}")
+            if self.hang_pixel is not None and self.hang_pixel in marks:
+                self._closing.wait()
+                raise RuntimeError(f"simulated hung batch on {self.info.device}: closed")
         if self.oom_above is not None and len(batch) > self.oom_above:
             raise RuntimeError(f"CUDA out of memory (simulated on {self.info.device})")
         with self._lock:
@@ -177,6 +191,7 @@ class FakeExecutor:
 
     def close(self) -> None:
         self.closed = True
+        self._closing.set()
         if self._stream is not None:  # batches still queued on the simulated device are dropped
             self._stream.shutdown(wait=False, cancel_futures=True)
 
@@ -267,6 +282,7 @@ class FakeOptions:
     fail_pixel: int | None = None
     fatal_pixel: int | None = None
     nan_pixel: int | None = None
+    hang_pixel: int | None = None
     oom_above: int | None = None
     compute: bool = True
     stream: bool = False
@@ -293,6 +309,7 @@ class FakeOptions:
             fail_pixel=whole("fail_pixel"),
             fatal_pixel=whole("fatal_pixel"),
             nan_pixel=whole("nan_pixel"),
+            hang_pixel=whole("hang_pixel"),
             oom_above=whole("oom_above"),
             compute=_number(options, "compute") != 0,
             stream=bool(_number(options, "stream")),
@@ -322,6 +339,7 @@ def create(model: LoadedModel, spec: ExecutorSpec, device: str) -> FakeExecutor:
         fail_pixel=o.fail_pixel,
         fatal_pixel=o.fatal_pixel,
         nan_pixel=o.nan_pixel,
+        hang_pixel=o.hang_pixel,
         oom_above=o.oom_above,
         compute=o.compute,
         stream=o.stream,

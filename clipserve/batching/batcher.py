@@ -44,9 +44,11 @@ class Batcher:
         kind: TowerKind = "image",
         decoders: Sequence[DeviceDecoder | None] | None = None,
         cache: EmbeddingCache | None = None,
+        warm_costs: Sequence[Sequence[tuple[int, float]]] | None = None,
     ) -> None:
         """`cache`: the embedding cache keyed runs use; one per process, shared by its
-        towers (None: keys are ignored)."""
+        towers (None: keys are ignored). `warm_costs`: per executor, (batch size, seconds)
+        timed after its warm-up, the start of its worker's cost model."""
         self.kind = kind
         self.cache = cache
         self.max_batch_size = config.max_batch_size
@@ -75,6 +77,9 @@ class Batcher:
                 strict=True,
             )
         ]
+        for worker, costs in zip(self.workers, warm_costs or [], strict=False):
+            for n, seconds in costs:
+                worker.cost.observe(n, seconds)
 
     def _on_worker_death(self) -> None:
         if not self.alive:  # nothing will ever take what is queued: fail it now, not at timeout

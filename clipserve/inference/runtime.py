@@ -65,6 +65,10 @@ class Runtime:
     # runs in the pool instead of the decoder (header checks; JPEG bytes pass through).
     device_decoders: list[DeviceDecoder] = field(default_factory=list)
     image_input: Callable[[bytes], np.ndarray] | None = None
+    # (batch size, seconds) timed after each image executor's warm-up: its worker's cost model
+    # starts from these, so admission is calibrated from the first request (not after a cold
+    # guess refused requests the devices could have served).
+    warm_costs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     def tokenize(
         self, texts: list[str], *, truncate: bool = True, positions: Sequence[int] | None = None
@@ -169,6 +173,20 @@ def _build_executor(model: LoadedModel, spec: ExecutorSpec, device: str) -> Exec
     return executor
 
 
+def time_batches(executor: Executor, sizes: list[int]) -> list[tuple[int, float]]:
+    """Seconds of one batch of each size, run after the warm-up (which compiled and allocated
+    for these sizes): the smallest and the largest give the cost model its line. The same call
+    for every backend, on the executor's own thread."""
+    height, width = executor.info.input_size
+    costs = []
+    for n in sorted({sizes[0], sizes[-1]}):
+        batch = np.zeros((n, height, width, 3), np.uint8)
+        t0 = time.perf_counter()
+        executor.run(batch)
+        costs.append((n, time.perf_counter() - t0))
+    return costs
+
+
 def _build_image_executors(
     model: LoadedModel, spec: ExecutorSpec, devices: list[str], threads: list[ThreadPoolExecutor]
 ) -> tuple[ExecutorSpec, list[Executor]]:
@@ -233,9 +251,18 @@ def build_runtime(config: ServerConfig) -> Runtime:
     runtime = Runtime(
         config, model, spec.backend, executors, text_executors, threads, text_threads, decoder
     )
+    sizes = warmup_sizes(spec.max_batch_size)
+    for executor, thread in zip(executors, threads, strict=True):
+        costs = thread.submit(time_batches, executor, sizes).result()
+        runtime.warm_costs.append(costs)
+        log.info("%s: batches of %s", executor.info.device, _costs_text(costs))
     if config.backend.decode == "gpu":
         _add_device_decoders(runtime, devices)
     return runtime
+
+
+def _costs_text(costs: list[tuple[int, float]]) -> str:
+    return ", ".join(f"{n} in {seconds * 1000:.1f} ms" for n, seconds in costs)
 
 
 def _add_device_decoders(runtime: Runtime, devices: list[str]) -> None:

@@ -42,7 +42,13 @@ class Towers:
         decoders = runtime.device_decoders or None
         cache = embedding_cache(runtime.config.cache, metrics)  # both towers' one budget
         image = Batcher(
-            runtime.executors, batching, metrics, runtime.threads, decoders=decoders, cache=cache
+            runtime.executors,
+            batching,
+            metrics,
+            runtime.threads,
+            decoders=decoders,
+            cache=cache,
+            warm_costs=runtime.warm_costs or None,
         )
         text = Batcher(
             runtime.text_executors, batching, metrics, runtime.text_threads, "text", cache=cache

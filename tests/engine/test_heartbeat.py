@@ -41,7 +41,7 @@ from clipserve.errors import ConfigError
 from clipserve.loadgen.procs import free_port
 from clipserve.metrics import Metrics
 from tests.engine.test_workers_served import FRONT_ENDS, Server, request
-from tests.helpers import SPEC_32, marked_array, until, until_async
+from tests.helpers import SPEC_32, marked_array, marked_png, until, until_async
 
 
 def test_a_stamp_crosses_from_writer_to_reader(tmp_path: Path) -> None:
@@ -164,6 +164,7 @@ def test_the_timeout_is_checked() -> None:
 # ---- end to end: `clipserve --workers 2 --backend fake`, real signals -------------------------
 
 TIMEOUT_S = 3.0  # --heartbeat-timeout-s: short, so that the tests take seconds
+HANG = 9  # a batch holding an image marked so never returns from the (fake) device
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +172,8 @@ def server(tiny_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     port = free_port()
     log = tmp_path_factory.mktemp("heartbeat") / "server.log"
     cmd = [sys.executable, "-m", "clipserve", "--workers", str(FRONT_ENDS), "--backend", "fake"]
-    cmd += ["--backend-option", "latency_ms=20", "--model", str(tiny_config)]
+    cmd += ["--backend-option", "latency_ms=20", "--backend-option", f"hang_pixel={HANG}"]
+    cmd += ["--model", str(tiny_config)]
     cmd += ["--pretrained", "none", "--gpus", "cpu", "--port", str(port)]
     cmd += ["--heartbeat-timeout-s", str(TIMEOUT_S), "--drain-timeout-s", "5"]
     with log.open("w") as out:
@@ -202,7 +204,7 @@ def _close_connections(server: Server) -> Iterator[None]:
 
 def _jpeg(seed: int = 0) -> bytes:
     out = io.BytesIO()
-    Image.new("RGB", (64, 48), (seed % 256, 80, 160)).save(out, "JPEG")
+    Image.new("RGB", (64, 48), (100, seed % 256, 160)).save(out, "JPEG")  # red: never HANG
     return out.getvalue()
 
 
@@ -243,6 +245,22 @@ def test_a_stopped_engine_fails_readiness_is_killed_and_replaced(server: Server)
     hung_engine = 'cause="hung",process="engine"'
     assert restarts[hung_engine] == before.get(hung_engine, 0.0) + 1
     assert _gauges(server, "clipserve_heartbeat_age_seconds")['process="engine"'] < TIMEOUT_S
+
+
+def test_a_device_call_that_never_returns_gets_the_engine_replaced(server: Server) -> None:
+    """The engine's loop beats on; its worker's batch is past due (its measured time, about
+    20 ms, plus the timeout): the request fails 503 when the engine is killed, not at its
+    deadline (30 s), and the new engine serves."""
+    engine = server.engine()
+    before = _gauges(server, "clipserve_restarts_total").get('cause="hung",process="engine"', 0)
+    started = time.monotonic()
+    status, _, body = request(server.connect(), "POST", "/embed", marked_png(HANG), "image/png")
+    assert status == 503, body
+    assert time.monotonic() - started < TIMEOUT_S + 5
+    assert _logged(server, f"engine (pid {engine.pid}) is hung: image:cpu worker mid-batch")
+    _replaced(server, engine)
+    after = _gauges(server, "clipserve_restarts_total")['cause="hung",process="engine"']
+    assert after == before + 1
 
 
 def test_front_ends_report_a_silent_engine_while_nobody_replaces_it(server: Server) -> None:
@@ -287,7 +305,9 @@ def test_a_stopped_front_end_is_replaced_while_the_other_serves(server: Server) 
         while victim_process.is_running() and victim_process.status() != psutil.STATUS_ZOMBIE:
             for conn in held[survivor]:  # the other front end's connections: served on
                 seed = len(statuses)  # a new image each time: none answered from the cache
-                statuses.append(request(conn, "POST", "/embed", _jpeg(seed))[0])
+                status, _, body = request(conn, "POST", "/embed", _jpeg(seed))
+                statuses.append(status)
+                assert status == 200, body
             if time.monotonic() > give_up:
                 raise AssertionError("the stopped front end was never killed")
         with pytest.raises((OSError, http.client.HTTPException)):

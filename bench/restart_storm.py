@@ -1,0 +1,146 @@
+"""How long the engine takes to come back after kill -9, idle and under a retry storm.
+
+`clipserve --workers 2 --backend fake` (the tiny model) on this machine; the engine is killed
+with SIGKILL and the time is taken until every front end's /readyz answers 200 again. Under the
+storm, 64 clients that ignore Retry-After post a small JPEG in a loop the whole time, so the
+front ends spend the CPU answering 503 that the new engine needs to import torch, load the model
+and warm up. Variants, in interleaved rounds (each round starts with a different one):
+
+  idle        no load
+  storm       the storm, front ends at the engine's priority (--front-end-nice 0)
+  storm-nice  the storm, front ends at niceness +N (--front-end-nice N): the engine runs first
+
+    python -m bench.restart_storm --out bench/results/restart-storm.json   # 5 rounds
+    python -m bench.restart_storm --rounds 1                                # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import aiohttp
+import psutil
+
+from bench.common import machine, rotated, spread, utc_now
+from clipserve.loadgen.images import jpeg
+from clipserve.loadgen.procs import clipserve_process, ready, tiny_model
+
+VARIANTS = ("idle", "storm", "storm-nice")
+CLIENTS = 64
+
+
+def engine_of(supervisor: int, port: int) -> psutil.Process:
+    """The supervisor's child that does not listen on the port."""
+    for child in psutil.Process(supervisor).children():
+        conns = child.net_connections(kind="tcp")
+        if not any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns):
+            return child
+    raise RuntimeError("no engine process found")
+
+
+@contextmanager
+def storm(url: str, clients: int) -> Iterator[dict[str, int]]:
+    """`clients` loops posting a JPEG with no pause, whatever the answer, until the block ends."""
+    counts: dict[str, int] = {}
+    stop = threading.Event()
+    body = jpeg(96, 96, seed=3)
+
+    async def loop(session: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            try:
+                async with session.post(
+                    url + "/embed", data=body, headers={"Content-Type": "image/jpeg"}
+                ) as r:
+                    await r.read()
+                    key = str(r.status)
+            except (aiohttp.ClientError, TimeoutError):
+                key = "error"
+            counts[key] = counts.get(key, 0) + 1
+
+    async def main() -> None:
+        timeout = aiohttp.ClientTimeout(total=30)
+        connector = aiohttp.TCPConnector(limit=clients)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            await asyncio.gather(*(loop(session) for _ in range(clients)))
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+    try:
+        time.sleep(2.0)  # the storm in full swing before the kill
+        yield counts
+    finally:
+        stop.set()
+        thread.join(60)
+
+
+def one_restart(flags: list[str], load: bool) -> dict[str, object]:
+    with clipserve_process(flags, startup_s=300) as (proc, url):
+        port = int(url.rsplit(":", 1)[1])
+        for _ in range(20):  # served once, so the engine's first batch is behind us
+            ready(url)
+        engine = engine_of(proc.pid, port)
+
+        def restart() -> float:
+            t0 = time.monotonic()
+            engine.kill()
+            engine.wait(30)
+            while not all(ready(url) for _ in range(4)):  # both front ends, most likely
+                if time.monotonic() - t0 > 300:
+                    raise RuntimeError("the engine did not come back in 300 s")
+                time.sleep(0.05)
+            return time.monotonic() - t0
+
+        if not load:
+            return {"seconds": round(restart(), 2)}
+        with storm(url, CLIENTS) as counts:
+            seconds = restart()
+        return {"seconds": round(seconds, 2), "answers": dict(counts)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--nice", type=int, default=5, help="--front-end-nice of storm-nice")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        base = ["--workers", "2", "--backend", "fake", "--model", str(tiny_model(Path(tmp)))]
+        base += ["--pretrained", "none", "--gpus", "cpu", "--cache-mb", "0"]
+        runs: dict[str, list[dict[str, object]]] = {v: [] for v in VARIANTS}
+        for r in range(args.rounds):
+            for variant in rotated(VARIANTS, r):
+                nice = args.nice if variant == "storm-nice" else 0
+                flags = [*base, "--front-end-nice", str(nice)]
+                result = one_restart(flags, load=variant != "idle")
+                runs[variant].append(result)
+                print(f"round {r + 1} {variant}: {result}", flush=True)
+    seconds = {v: [float(str(x["seconds"])) for x in runs[v]] for v in VARIANTS}
+    report = {
+        "benchmark": "restart_storm",
+        "when": utc_now(),
+        "machine": machine(),
+        "what": (
+            f"--workers 2 --backend fake (tiny model): seconds from kill -9 of the engine to "
+            f"/readyz 200, idle and under {CLIENTS} clients that ignore Retry-After"
+        ),
+        "front_end_nice": args.nice,
+        "rounds": args.rounds,
+        "seconds": {v: spread(seconds[v], 2) for v in VARIANTS},
+        "runs": runs,
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
