@@ -1,14 +1,10 @@
 """How long the engine takes to come back after kill -9, idle and under a retry storm.
 
 `clipserve --workers 2 --backend fake` (the tiny model) on this machine; the engine is killed
-with SIGKILL and the time is taken until every front end's /readyz answers 200 again. Under the
+with SIGKILL and the time is taken until the front ends' /readyz answers 200 again. Under the
 storm, 64 clients that ignore Retry-After post a small JPEG in a loop the whole time, so the
-front ends spend the CPU answering 503 that the new engine needs to import torch, load the model
-and warm up. Variants, in interleaved rounds (each round starts with a different one):
-
-  idle        no load
-  storm       the storm, front ends at the engine's priority (--front-end-nice 0)
-  storm-nice  the storm, front ends at niceness +N (--front-end-nice N): the engine runs first
+front ends spend CPU answering 503 that the new engine needs to import torch, load the model
+and warm up. The two variants alternate in interleaved rounds.
 
     python -m bench.restart_storm --out bench/results/restart-storm.json   # 5 rounds
     python -m bench.restart_storm --rounds 1                                # a quick look
@@ -33,13 +29,16 @@ from bench.common import machine, rotated, spread, utc_now
 from clipserve.loadgen.images import jpeg
 from clipserve.loadgen.procs import clipserve_process, ready, tiny_model
 
-VARIANTS = ("idle", "storm", "storm-nice")
+VARIANTS = ("idle", "storm")
 CLIENTS = 64
 
 
 def engine_of(supervisor: int, port: int) -> psutil.Process:
-    """The supervisor's child that does not listen on the port."""
+    """The supervisor's spawned child that does not listen on the port (multiprocessing's
+    resource tracker is a child too: not spawned by `spawn_main`)."""
     for child in psutil.Process(supervisor).children():
+        if "spawn_main" not in " ".join(child.cmdline()):
+            continue
         conns = child.net_connections(kind="tcp")
         if not any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns):
             return child
@@ -65,13 +64,13 @@ def storm(url: str, clients: int) -> Iterator[dict[str, int]]:
                 key = "error"
             counts[key] = counts.get(key, 0) + 1
 
-    async def main() -> None:
+    async def clients_all() -> None:
         timeout = aiohttp.ClientTimeout(total=30)
         connector = aiohttp.TCPConnector(limit=clients)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             await asyncio.gather(*(loop(session) for _ in range(clients)))
 
-    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread = threading.Thread(target=asyncio.run, args=(clients_all(),), daemon=True)
     thread.start()
     try:
         time.sleep(2.0)  # the storm in full swing before the kill
@@ -108,7 +107,6 @@ def one_restart(flags: list[str], load: bool) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--nice", type=int, default=5, help="--front-end-nice of storm-nice")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,9 +115,7 @@ def main() -> None:
         runs: dict[str, list[dict[str, object]]] = {v: [] for v in VARIANTS}
         for r in range(args.rounds):
             for variant in rotated(VARIANTS, r):
-                nice = args.nice if variant == "storm-nice" else 0
-                flags = [*base, "--front-end-nice", str(nice)]
-                result = one_restart(flags, load=variant != "idle")
+                result = one_restart(base, load=variant == "storm")
                 runs[variant].append(result)
                 print(f"round {r + 1} {variant}: {result}", flush=True)
     seconds = {v: [float(str(x["seconds"])) for x in runs[v]] for v in VARIANTS}
@@ -131,9 +127,11 @@ def main() -> None:
             f"--workers 2 --backend fake (tiny model): seconds from kill -9 of the engine to "
             f"/readyz 200, idle and under {CLIENTS} clients that ignore Retry-After"
         ),
-        "front_end_nice": args.nice,
         "rounds": args.rounds,
         "seconds": {v: spread(seconds[v], 2) for v in VARIANTS},
+        "ratio_storm_to_idle": spread(
+            [b / a for a, b in zip(seconds["idle"], seconds["storm"], strict=True)], 2
+        ),
         "runs": runs,
     }
     text = json.dumps(report, indent=2)

@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = vars(build_parser(command).parse_args(argv))
     try:
         config = load_config(args)
-        configure_logging(config.http.log_level)
+        configure_logging(config.http.log_level, fmt=config.http.log_format)
         if command == "export":
             from clipserve.inference.commands import export_main
 

@@ -8,6 +8,7 @@ The environment is read only by `load_config`, never at import time.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -22,6 +23,7 @@ ENV_PREFIX = "CLIPSERVE_"
 PRECISIONS = ("fp32", "fp16")
 DECODERS = ("cpu", "gpu")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+LOG_FORMATS = ("text", "json")
 
 
 def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
@@ -133,17 +135,24 @@ class HttpConfig:
         "(model, batcher, devices) through shared memory",
     )
     log_level: str = _opt("info", "log level", choices=LOG_LEVELS)
+    log_format: str = _opt(
+        "text",
+        "text, or json: one object per line (time, level, logger, role, message, exception), "
+        "and an access line per request (id, method, route, status, duration, items, client, key)",
+        choices=LOG_FORMATS,
+    )
+    otel_endpoint: str = _opt(
+        "",
+        "OTLP/HTTP collector for OpenTelemetry traces, e.g. http://otel-collector:4318 (path "
+        "default /v1/traces): a span per request, one per stage, W3C traceparent followed; "
+        "needs the otel extra; empty: off",
+    )
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, how long in-flight requests may finish")
     heartbeat_timeout_s: float = _opt(
         10.0,
         "--workers N: a process whose event loop is silent this long, or whose device batch "
         "runs this long past its measured time, is hung: /readyz answers 503, the supervisor "
         "kills and restarts it",
-    )
-    front_end_nice: int = _opt(
-        0,
-        "--workers N: niceness added to the front ends, so that when the CPU is short (a "
-        "retry storm while the engine restarts) the engine, which feeds the devices, runs first",
     )
     max_connections: int = _opt(
         1000, "most open client connections; more are answered 503 at once and closed"
@@ -392,13 +401,14 @@ def validate(config: ServerConfig) -> None:
     _require(0 <= h.port <= 65535, "port", "must be in 0..65535")
     _require(1 <= h.workers <= 256, "workers", "must be in 1..256")
     _require(h.log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
+    _require(h.log_format in LOG_FORMATS, "log_format", f"must be one of {', '.join(LOG_FORMATS)}")
+    _check_otel(h.otel_endpoint)
     _require(h.drain_timeout_s >= 0, "drain_timeout_s", "must not be negative")
     _require(
         h.heartbeat_timeout_s >= 1,
         "heartbeat_timeout_s",
         "must be at least 1 (a process stamps its heartbeat every 0.5 s)",
     )
-    _require(0 <= h.front_end_nice <= 19, "front_end_nice", "must be in 0..19")
     _require(h.max_connections >= 1, "max_connections", "must be at least 1")
     _require(h.max_header_bytes >= 1024, "max_header_bytes", "must be at least 1024")
     _require(h.header_timeout_s > 0, "header_timeout_s", "must be positive")
@@ -429,6 +439,26 @@ _RATE = re.compile(r"(?!0*(\.0*)?(:|$))\d+(\.\d+)?(:0*[1-9]\d*)?")
 # What a served name may be: visible ASCII without spaces, up to 128 characters (slashes
 # included, as Hugging Face ids and NIM's "nvidia/nvclip" have).
 _NAME = re.compile(r"[!-~]{1,128}")
+
+
+def _check_otel(endpoint: str) -> None:
+    """--otel-endpoint: a URL, and the packages that export to it (checked here, so that a
+    missing extra is one line at startup in every process layout, not a failing front end)."""
+    if not endpoint:
+        return
+    _require(
+        re.fullmatch(r"https?://[^\s/?#]+(/\S*)?", endpoint) is not None,
+        "otel_endpoint",
+        f"expected an http:// or https:// URL, got {endpoint[:100]!r}",
+    )
+    try:
+        found = all(
+            importlib.util.find_spec(name) is not None
+            for name in ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http")
+        )
+    except (ImportError, ValueError):  # a parent package missing, or blocked
+        found = False
+    _require(found, "otel_endpoint", "needs OpenTelemetry: pip install 'clipserve[otel]'")
 
 
 def _check_names(m: ModelConfig) -> None:

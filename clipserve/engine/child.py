@@ -11,8 +11,8 @@ import time
 from clipserve.logs import configure_logging
 
 
-def start_child(log_level: str, role: str, parent_pid: int) -> None:
-    configure_logging(log_level, role=role)
+def start_child(log_level: str, role: str, parent_pid: int, log_format: str = "text") -> None:
+    configure_logging(log_level, role=role, fmt=log_format)
     # A hangup is the supervisor's to pass on (a front end's app handles it once started, to
     # reload the key file); by default it would kill the process.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)

@@ -37,9 +37,7 @@ def frontend_main(
     each front end until all have imported what they need, so they start accepting together:
     one that accepted alone would take every early connection, and keep-alive clients would
     stay with it. `buckets`: the rate limits' table the supervisor made for every front end."""
-    start_child(config.http.log_level, f"frontend {index}", parent)
-    if config.http.front_end_nice:
-        os.nice(config.http.front_end_nice)  # raising it needs no privilege (lowering would)
+    start_child(config.http.log_level, f"frontend {index}", parent, config.http.log_format)
     import open_clip  # noqa: F401  the tokenizer's (and torch's) import: the slow part of startup
 
     if together is not None:

@@ -327,7 +327,7 @@ def engine_main(
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the
     # supervisor drains the front ends first, then stops the engine with SIGTERM.
-    start_child(config.http.log_level, "engine", supervisor_pid)
+    start_child(config.http.log_level, "engine", supervisor_pid, config.http.log_format)
     try:
         runtime = build_runtime(config)
     except StartupError as e:

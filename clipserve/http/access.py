@@ -186,6 +186,7 @@ class AccessGuard:
             response.headers["WWW-Authenticate"] = "Bearer"
             await response(scope, receive, send)
             return
+        scope.setdefault("state", {})["key"] = grant.label  # for the access line and span
         if scope["method"] == "POST" and grant.rate is not None:
             wait = self.access.wait_s(grant)
             if wait > 0:  # refused before the body is read

@@ -23,7 +23,7 @@ from clipserve.config import ServerConfig
 from clipserve.engine.messages import ModelCard
 from clipserve.http.access import Access, AccessGuard, MeteredTower
 from clipserve.http.doors import DOORS
-from clipserve.http.observer import RequestObserver
+from clipserve.http.observer import RequestObserver, request_tracing
 from clipserve.http.pipeline import Pipeline, Serving
 from clipserve.http.request import BodyBudget, ClientGone
 from clipserve.http.status import ErrorPages
@@ -165,5 +165,6 @@ def create_app(
     )
     if access is not None:  # inside the observer: its answers get a request id and a count
         app.add_middleware(AccessGuard, access=access, pages=pages)
-    app.add_middleware(RequestObserver, metrics=metrics, pages=pages)
+    tracing = request_tracing(config.http.otel_endpoint)
+    app.add_middleware(RequestObserver, metrics=metrics, pages=pages, tracing=tracing)
     return app

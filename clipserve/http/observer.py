@@ -9,15 +9,22 @@ import logging
 import re
 import secrets
 import time
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clipserve import errors
 from clipserve.http.status import ErrorPages
+from clipserve.logs import ACCESS_LOGGER
 from clipserve.metrics import Metrics
 
+if TYPE_CHECKING:
+    from clipserve.http.tracing import RequestTracing
+
 log = logging.getLogger(__name__)
+access_log = logging.getLogger(ACCESS_LOGGER)
 MAX_REQUEST_ID = 128
+MAX_LOGGED_PATH = 1024  # a path may be as long as --max-header-bytes: an access line stays short
 
 # "{name:path}" is labelled "{name}": the converter is how a route matches, not what it is.
 _CONVERTER = re.compile(r"\{(\w+):\w+\}")
@@ -33,6 +40,15 @@ def _new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
 
 
+def request_tracing(endpoint: str) -> RequestTracing | None:
+    """--otel-endpoint's tracing, None when off: OpenTelemetry is imported only when on."""
+    if not endpoint:
+        return None
+    from clipserve.http.tracing import RequestTracing
+
+    return RequestTracing.otlp(endpoint)
+
+
 def _valid_request_id(raw: bytes) -> bool:
     """Visible ASCII only: it is echoed in a header and written to logs as it came."""
     return 0 < len(raw) <= MAX_REQUEST_ID and all(0x21 <= b <= 0x7E for b in raw)
@@ -41,12 +57,21 @@ def _valid_request_id(raw: bytes) -> bool:
 class RequestObserver:
     """The outermost layer of every request: assigns or checks the request id, adds
     `X-Request-Id` and `Server-Timing` (with the total) to every answer, counts every response by
-    route and status, and answers 503 `shutting_down` to requests the drain timeout cancels."""
+    route and status, and answers 503 `shutting_down` to requests the drain timeout cancels.
+    Where on, it writes the access line (--log-format json) and the request's span with one
+    child per stage (`tracing`: --otel-endpoint); off, each costs one test per request."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, pages: ErrorPages) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        metrics: Metrics,
+        pages: ErrorPages,
+        tracing: RequestTracing | None = None,
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.pages = pages
+        self.tracing = tracing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -56,8 +81,10 @@ class RequestObserver:
         sent_id = dict(scope["headers"]).get(b"x-request-id")
         valid_id = sent_id is None or _valid_request_id(sent_id)
         request_id = sent_id.decode("ascii") if sent_id and valid_id else _new_request_id()
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
         status, started = 500, False
+        span = self.tracing.start(scope) if self.tracing is not None else None
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status, started
@@ -96,5 +123,31 @@ class RequestObserver:
         finally:
             # The matched route's template (one label for /v2/models/{name}/infer), else other.
             route = _CONVERTER.sub(r"{\1}", getattr(scope.get("route"), "path", "other"))
+            elapsed = time.perf_counter() - t0
             self.metrics.requests.labels(route, str(status)).inc()
-            self.metrics.request_duration.labels(route).observe(time.perf_counter() - t0)
+            self.metrics.request_duration.labels(route).observe(elapsed)
+            if span is not None:
+                span.finish(scope, route, status)
+            if access_log.isEnabledFor(logging.INFO):
+                _log_access(scope, state, request_id, route, status, elapsed)
+
+
+def _log_access(
+    scope: Scope, state: dict[str, Any], request_id: str, route: str, status: int, elapsed: float
+) -> None:
+    """One line per answered request. `items` and `key` are set by the layers that learn them
+    (the pipeline once the body is parsed, the key check); absent, they are null."""
+    client = scope.get("client")
+    method, path = scope["method"], scope["path"][:MAX_LOGGED_PATH]
+    fields = {
+        "request_id": request_id,
+        "method": method,
+        "route": route,
+        "path": path,
+        "status": status,
+        "duration_ms": round(elapsed * 1000, 3),
+        "items": state.get("items"),
+        "client": f"{client[0]}:{client[1]}" if client else None,
+        "key": state.get("key"),
+    }
+    access_log.info("%s %s %d", method, path, status, extra={"fields": fields})

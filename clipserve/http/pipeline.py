@@ -117,6 +117,7 @@ class Pipeline(Generic[TicketT]):
                     else:
                         work = await self.in_pool(call.parse, body)
                 work.fresh = not reads_cache(request.headers)
+                request.state.items = work.count("image") + work.count("text")
                 done = await self.embed(work, ctx, call.tower, held)
         with ctx.timer.measure("encode"):
             encoded = call.encode(work, done)

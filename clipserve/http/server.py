@@ -335,6 +335,14 @@ def protocol_class(config: HttpConfig) -> type[GuardedHttpProtocol]:
     )
 
 
+# uvicorn's loggers without handlers of their own, passing their records to the root's.
+UVICORN_TO_ROOT: dict[str, Any] = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "loggers": {name: {"handlers": [], "propagate": True} for name in ("uvicorn", "uvicorn.error")},
+}
+
+
 def build_uvicorn_config(app: Any, config: HttpConfig, **overrides: Any) -> uvicorn.Config:
     """The uvicorn settings clipserve serves with; tests pass overrides such as a free port."""
     settings: dict[str, Any] = {
@@ -346,11 +354,13 @@ def build_uvicorn_config(app: Any, config: HttpConfig, **overrides: Any) -> uvic
         "timeout_keep_alive": config.keep_alive_timeout_s,  # a float works: call_later's delay
         # uvicorn's int annotation notwithstanding, the float goes to wait_for as is (0: now).
         "timeout_graceful_shutdown": config.drain_timeout_s,
-        "access_log": False,
+        "access_log": False,  # the observer's, where on (--log-format json)
         "server_header": False,
         # One accept round takes the whole queue before accepting can pause: fd_budget counts it.
         "backlog": refusal_room(config.max_connections),
     }
+    if config.log_format == "json":  # uvicorn's lines through the root's JSON handler
+        settings["log_config"] = UVICORN_TO_ROOT
     if config.ssl_certfile is not None:  # config.validate: the key comes with it
         check_tls(config)
         settings.update(ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile)

@@ -8,7 +8,6 @@ import contextlib
 import http.client
 import io
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -186,14 +185,7 @@ def server(tiny_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         for process in [psutil.Process(proc.pid), *served.children()]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.resume()  # a test that failed midway may have left one stopped
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
-            proc.wait()
+        served.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import io
 import json
-import signal
 import ssl
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import psutil
 from PIL import Image
 
 from clipserve.loadgen.procs import free_port
+from tests.engine.test_workers_served import stop_tree
 from tests.helpers import self_signed_cert, until
 
 KEEP_ALIVE_CLIENTS = 32
@@ -122,14 +122,7 @@ def workers(tiny_config: Path, tmp: Path, *extra: str) -> Iterator[Server]:
         until(lambda: proc.poll() is None and server.all_accepting(2), 120, "2 front ends")
         yield server
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
-            proc.wait()
+        stop_tree(proc)
 
 
 @dataclass

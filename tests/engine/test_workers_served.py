@@ -42,6 +42,18 @@ def _jpeg(seed: int) -> bytes:
     return out.getvalue()
 
 
+def stop_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to a `clipserve --workers N` and a minute to drain; past it, the tree killed."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        proc.wait()
+
+
 class Server:
     def __init__(self, proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
         self.proc = proc
@@ -56,6 +68,10 @@ class Server:
 
     def children(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children()
+
+    def stop(self) -> None:
+        """SIGTERM and a minute to drain; past it, the whole tree killed."""
+        stop_tree(self.proc)
 
     def front_ends(self) -> list[psutil.Process]:
         """Children listening on the port."""
@@ -214,14 +230,7 @@ def server(tiny_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield served
     finally:
         if proc.poll() is None:  # a test failed before the SIGTERM test: still clean up
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                for child in psutil.Process(proc.pid).children(recursive=True):
-                    child.kill()
-                proc.kill()
-                proc.wait()
+            served.stop()
 
 
 @pytest.fixture(autouse=True)
