@@ -36,6 +36,8 @@ from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from clipserve.batching.cost import CostModel
 
 BEAT_INTERVAL_S = 0.5
+ENGINE_START_TIMEOUT_S = 600.0  # loading and warming up a model (a TensorRT build included)
+BACKOFF_MAX_S = 10.0  # the longest wait before restarting a child that keeps dying young
 # A front end stamps first once its app starts: after importing torch and open_clip and waiting
 # for the others (front end start-up, up to a minute) and for the engine's card (another).
 FIRST_BEAT_S = 120.0
@@ -52,6 +54,14 @@ def restart_deadline_s(timeout_s: float) -> float:
     closes, and the front end answers 503 until a new one is up); silence that lasts twice as
     long means nobody is acting on it, and only restarting the whole server helps."""
     return 2.0 * timeout_s
+
+
+def replace_deadline_s(timeout_s: float) -> float:
+    """How long a front end may be without its engine (gone, or not yet back) before it fails
+    its liveness: the supervisor sees a death at once, waits its backoff and gives the new
+    engine ENGINE_START_TIMEOUT_S to load and warm up. Until then readiness alone fails: a pod
+    restarted meanwhile would only load the same model again."""
+    return BACKOFF_MAX_S + ENGINE_START_TIMEOUT_S + timeout_s
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from clipserve.engine.heartbeat import (
     HeartbeatWriter,
     heartbeat_path,
     keep_beating,
+    replace_deadline_s,
     restart_deadline_s,
 )
 from clipserve.engine.messages import ModelCard, Status, ToEngine, ToFront, WorkerRow
@@ -193,8 +194,12 @@ class EngineLink:
 
     @property
     def gone(self) -> bool:
-        """Liveness: not connected, or silent past the time the supervisor had to replace it."""
-        return not self.connected or self.silent_s() > restart_deadline_s(self.timeout_s)
+        """Liveness: the engine silent, or not connected, past the time the supervisor had to
+        replace it (a hung one is killed at the timeout; a dead one is restarted, which may
+        take a model load)."""
+        if self.connected:
+            return self.silent_s() > restart_deadline_s(self.timeout_s)
+        return time.monotonic() - self._heard > replace_deadline_s(self.timeout_s)
 
     def snapshot(self) -> Status:
         """The engine's last pushed status; every worker dead while it is not connected or

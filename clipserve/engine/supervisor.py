@@ -39,7 +39,14 @@ from prometheus_client import multiprocess
 from prometheus_client.mmap_dict import MmapedDict
 
 from clipserve.config import ServerConfig
-from clipserve.engine.heartbeat import HeartbeatReader, LivenessMetrics, heartbeat_path, hung
+from clipserve.engine.heartbeat import (
+    BACKOFF_MAX_S,
+    ENGINE_START_TIMEOUT_S,
+    HeartbeatReader,
+    LivenessMetrics,
+    heartbeat_path,
+    hung,
+)
 from clipserve.engine.messages import EngineReady, ModelCard
 from clipserve.engine.slots import (
     hold_lock,
@@ -56,8 +63,6 @@ from clipserve.http.server import check_tls
 
 log = logging.getLogger("clipserve.supervisor")
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-ENGINE_START_TIMEOUT_S = 600.0  # loading and warming up a model (a TensorRT build included)
-BACKOFF_MAX_S = 10.0
 
 
 @dataclass
