@@ -77,12 +77,15 @@ def serve(config: ServerConfig) -> int:
 
     from clipserve.http.access import check_access
     from clipserve.http.app import create_app
-    from clipserve.http.server import build_uvicorn_config, check_tls, draining_server
+    from clipserve.http.server import bind_port, build_uvicorn_config, check_tls, draining_server
     from clipserve.inference.runtime import build_runtime
 
-    # A bad key file or certificate fails in a second, not after the model has loaded.
+    # A bad key file, certificate or taken gRPC port fails in a second, not after the model
+    # has loaded.
     check_access(config.access)
     check_tls(config.http)
+    if config.http.grpc_port:
+        bind_port(config.http.host, config.http.grpc_port, "--grpc-port").close()
     # Built before uvicorn starts so a failure is one line and a non-zero exit, not a traceback
     # from inside the lifespan protocol.
     runtime = build_runtime(config)

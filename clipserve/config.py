@@ -129,6 +129,9 @@ class LimitsConfig:
 class HttpConfig:
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on")
+    grpc_port: int = _opt(
+        8001, "port of the KServe v2 / Triton gRPC service (Triton's default) on --host; 0: off"
+    )
     workers: int = _opt(
         1,
         "HTTP front-end processes sharing the port; above 1 they feed one engine process "
@@ -399,6 +402,8 @@ def validate(config: ServerConfig) -> None:
     for item in be.backend_option:
         _require("=" in item, "backend_option", f"expected KEY=VALUE, got {item!r}")
     _require(0 <= h.port <= 65535, "port", "must be in 0..65535")
+    grpc_ok = h.grpc_port == 0 or (0 < h.grpc_port <= 65535 and h.grpc_port != h.port)
+    _require(grpc_ok, "grpc_port", "must be in 0..65535 (0: off), not --port")
     _require(1 <= h.workers <= 256, "workers", "must be in 1..256")
     _require(h.log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
     _require(h.log_format in LOG_FORMATS, "log_format", f"must be one of {', '.join(LOG_FORMATS)}")

@@ -89,6 +89,13 @@ class NotAcceptable(ClipserveError):
     code = "not_acceptable"
 
 
+class Unsupported(ClipserveError):
+    """A part of Triton's protocol clipserve does not serve (classification, CUDA shared
+    memory, model control): gRPC's UNIMPLEMENTED, HTTP's 400, as Triton answers them."""
+
+    code = "unsupported"
+
+
 class Overloaded(ClipserveError):
     """The bounded queue is full; the client should retry after `retry_after_s`."""
 

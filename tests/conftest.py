@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,11 @@ import pytest
 
 from clipserve.loadgen.procs import TINY_CONFIG
 from tests.helpers import RunningServer, make_config, running, write_checkpoint
+
+# Every server the tests start, in this process or as `clipserve` subprocesses (which inherit
+# the environment), leaves gRPC off unless a test gives it a free port: two servers at once
+# (or a developer's own on 8001) must not fight for Triton's default port.
+os.environ["CLIPSERVE_GRPC_PORT"] = "0"
 
 
 @pytest.fixture(scope="session")

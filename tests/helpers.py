@@ -128,6 +128,7 @@ def make_config(tiny_config: Path, tiny_checkpoint: Path, **overrides: Any) -> S
         # Tests count computations and send the same image twice: the embedding cache is on
         # only where a test asks for it (tests/http/test_cache.py).
         "cache_mb": "0",
+        "grpc_port": "0",  # off unless a test gives it a free port (tests/conftest.py)
     }
     flags.update({k: v if isinstance(v, list) else str(v) for k, v in overrides.items()})
     return load_config(flags, environ={})

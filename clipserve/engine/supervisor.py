@@ -59,7 +59,7 @@ from clipserve.engine.slots import (
 from clipserve.errors import StartupError
 from clipserve.http.access import check_access
 from clipserve.http.buckets import BucketTable
-from clipserve.http.server import check_tls
+from clipserve.http.server import bind_port, check_tls
 
 log = logging.getLogger("clipserve.supervisor")
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -98,6 +98,7 @@ class Supervisor:
         self._lock = hold_lock(self.pid)
         self.tmp = Path(tempfile.mkdtemp(prefix=segment_prefix(self.pid)))
         self.listener: socket.socket | None = None  # the port, bound once for every front end
+        self.grpc_hold: socket.socket | None = None  # --grpc-port, bound while we run
         self.socket_path = str(self.tmp / "engine.sock")
         self.card: ModelCard | None = None  # the engine's, once it is ready
         self.engine: Child | None = None
@@ -172,19 +173,13 @@ class Supervisor:
     def _check_port(self) -> None:
         """Bind the port for every front end, failing at once, as one process would, when it
         is taken. Bound, not listening: the front ends' uvicorn listens, with its backlog,
-        once an app has started; until then a client is refused rather than queued."""
-        host, port = self.config.http.host, self.config.http.port
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:  # without SO_REUSEPORT: a second clipserve on the port must not pass
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-        except OSError as e:
-            sock.close()
-            raise StartupError(
-                f"--host/--port: cannot listen on {host}:{port} ({e.strerror})"
-            ) from None
-        self.listener = sock
+        once an app has started; until then a client is refused rather than queued. The gRPC
+        port is held the same way for life, with SO_REUSEPORT, so each front end's gRPC server
+        binds it beside the others (README: what that costs when a front end dies)."""
+        http = self.config.http
+        self.listener = bind_port(http.host, http.port, "--host/--port")
+        if http.grpc_port:
+            self.grpc_hold = bind_port(http.host, http.grpc_port, "--grpc-port", reuse_port=True)
 
     def _start_engine(self) -> None:
         from clipserve.engine.service import engine_main
@@ -374,6 +369,8 @@ class Supervisor:
             # The front ends hold the socket until they stop accepting; then it closes, and
             # new clients are refused rather than queued behind nobody.
             self.listener.close()
+        if self.grpc_hold is not None:
+            self.grpc_hold.close()
         fronts = [c.process for c in self.front if c is not None]
         _terminate(fronts, self.config.http.drain_timeout_s + 10.0)
         if self.engine is not None:

@@ -14,9 +14,10 @@ total over all front ends. Probes stay open, and /metrics too unless --protect-m
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic
 
@@ -62,6 +63,17 @@ class Charge:
 _CHARGE: contextvars.ContextVar[Charge | None] = contextvars.ContextVar(
     "clipserve_charge", default=None
 )
+
+
+@contextlib.contextmanager
+def charging(grant: Grant) -> Iterator[None]:
+    """The request's account while its handler runs: what `MeteredTower` charges (the gRPC
+    door's counterpart of `AccessGuard`)."""
+    token = _CHARGE.set(Charge(grant))
+    try:
+        yield
+    finally:
+        _CHARGE.reset(token)
 
 
 def check_access(config: AccessConfig) -> None:
@@ -196,11 +208,8 @@ class AccessGuard:
                 )
                 await response(scope, receive, send)
                 return
-        token = _CHARGE.set(Charge(grant))
-        try:
+        with charging(grant):
             await self.app(scope, receive, send)
-        finally:
-            _CHARGE.reset(token)
 
 
 class MeteredTower(Generic[TicketT]):

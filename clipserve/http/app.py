@@ -96,6 +96,42 @@ def _access_running(access: Access | None) -> Iterator[None]:
         access.close()
 
 
+@asynccontextmanager
+async def _grpc_serving(
+    app: Starlette, pipeline: Pipeline[Any], access: Access | None, shared_port: bool
+) -> AsyncIterator[None]:
+    """Triton's gRPC service on --grpc-port (0: off), from once the towers are up (as HTTP)
+    until the drain: `app.state.drain` stops it taking calls when uvicorn starts draining,
+    and the calls in flight get --drain-timeout-s to finish."""
+    config = pipeline.config
+    app.state.grpc_port = None
+    if not config.http.grpc_port:
+        yield
+        return
+    from clipserve.http.doors.kserve_grpc import InferenceServicer
+    from clipserve.http.grpc_server import build_grpc_server
+
+    servicer = InferenceServicer(pipeline)
+    server, port = build_grpc_server(
+        config, servicer, pipeline.metrics, access, reuse_port=shared_port
+    )
+    await server.start()
+    app.state.grpc_port = port
+    stopping: list[asyncio.Task[None]] = []
+
+    def drain() -> None:
+        if not stopping:
+            stopping.append(asyncio.ensure_future(server.stop(config.http.drain_timeout_s)))
+
+    app.state.drain = drain
+    log.info("gRPC (KServe v2 / Triton) on %s:%d", config.http.host, port)
+    try:
+        yield
+    finally:
+        drain()
+        await stopping[0]
+
+
 def _body_budget(config: ServerConfig, front_end: tuple[int, int] | None) -> BodyBudget:
     """--max-body-bytes-in-flight: this process's, or the table every front end shares."""
     capacity = config.limits.max_body_bytes_in_flight
@@ -146,7 +182,8 @@ def create_app(
             gc.freeze()
             try:
                 with _access_running(access):
-                    yield {"pipeline": pipeline}
+                    async with _grpc_serving(app, pipeline, access, front_end is not None):
+                        yield {"pipeline": pipeline}
             finally:
                 gc.unfreeze()
                 pool.shutdown(wait=True)

@@ -36,7 +36,7 @@ _ID_PREFIX = secrets.token_hex(6)
 _ID_COUNTER = itertools.count()
 
 
-def _new_request_id() -> str:
+def new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
 
 
@@ -49,7 +49,7 @@ def request_tracing(endpoint: str) -> RequestTracing | None:
     return RequestTracing.otlp(endpoint)
 
 
-def _valid_request_id(raw: bytes) -> bool:
+def valid_request_id(raw: bytes) -> bool:
     """Visible ASCII only: it is echoed in a header and written to logs as it came."""
     return 0 < len(raw) <= MAX_REQUEST_ID and all(0x21 <= b <= 0x7E for b in raw)
 
@@ -79,8 +79,8 @@ class RequestObserver:
             return
         t0 = time.perf_counter()
         sent_id = dict(scope["headers"]).get(b"x-request-id")
-        valid_id = sent_id is None or _valid_request_id(sent_id)
-        request_id = sent_id.decode("ascii") if sent_id and valid_id else _new_request_id()
+        valid_id = sent_id is None or valid_request_id(sent_id)
+        request_id = sent_id.decode("ascii") if sent_id and valid_id else new_request_id()
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
         status, started = 500, False

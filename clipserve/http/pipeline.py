@@ -1,6 +1,7 @@
-"""One request's walk from body to answer: the only path from HTTP to the towers.
+"""One request's walk from body to answer: the only path from HTTP or gRPC to the towers.
 
-Every front door's inference route runs `Pipeline.serve` with its own `Call` (http/work.py):
+Every front door's inference route runs `Pipeline.run` with its own `Call` (http/work.py) and
+its transport's `Exchange` (http/exchange.py; `Pipeline.serve` for HTTP):
 deadline -> read the body -> admit one place -> parse in the pool -> grow the admission to the
 parsed size -> decode -> batch -> encode -> respond. Admission comes before any CPU work, parsing
 included, so the pool's backlog is bounded by the queue for every protocol alike. Stage timing,
@@ -25,12 +26,12 @@ from starlette.responses import Response
 
 from clipserve.batching.tower import CachingTower, Completed, TicketT, Tower, TowerKind
 from clipserve.config import ServerConfig
-from clipserve.errors import ClipserveError, PayloadTooLarge, RequestTimeout, with_item_index
-from clipserve.http.cache_keys import CacheKeys, Found, reads_cache
+from clipserve.errors import ClipserveError, RequestTimeout, with_item_index
+from clipserve.http.cache_keys import CacheKeys, Found
+from clipserve.http.exchange import Exchange, HttpExchange
 from clipserve.http.fetch import ImageFetcher
 from clipserve.http.names import ServedNames
-from clipserve.http.request import BodyBudget, RequestContext, request_timeout, unless_disconnected
-from clipserve.http.timing import StageTimer
+from clipserve.http.request import BodyBudget, RequestContext, unless_gone
 from clipserve.http.work import Call, Embedded, Encoded, ImageWork, Parsed, TextWork, Work
 from clipserve.inference.model import LoadedModel
 from clipserve.inference.preprocess import ImageDecoder
@@ -107,61 +108,49 @@ class Pipeline(Generic[TicketT]):
         )
 
     async def serve(self, request: Request, call: Call[Parsed]) -> Response:
-        """Every inference route: the same steps in the same order for every front door."""
-        async with self.request(request) as ctx:
-            body = await self.read_body(request, ctx)
+        """Every HTTP inference route: the walk below, then the 200 answer with its stages."""
+        ctx, protocol, encoded = await self.run(HttpExchange(request), call)
+        self.record(ctx, protocol, len(encoded.content))
+        headers = {**encoded.headers, "Server-Timing": ctx.timer.header()}
+        return Response(encoded.content, media_type=encoded.media_type, headers=headers)
+
+    async def run(
+        self, exchange: Exchange, call: Call[Parsed]
+    ) -> tuple[RequestContext, str, Encoded]:
+        """The same steps in the same order for every front door, over HTTP or gRPC: the
+        request's context, its metrics label and its encoded answer."""
+        async with self.request(exchange) as ctx:
+            with ctx.timer.measure("receive"):
+                body = await exchange.body(self.config.limits.max_body_bytes, self.body_budget, ctx)
+            ctx.body_bytes = len(body)
             async with self.admitted(self.towers[call.tower], ctx) as held:
                 with ctx.timer.measure("decode"):  # parsing the body counts as decoding
                     if call.inline:
                         work = call.parse(body)
                     else:
                         work = await self.in_pool(call.parse, body)
-                work.fresh = not reads_cache(request.headers)
-                request.state.items = work.count("image") + work.count("text")
+                work.fresh = exchange.fresh
+                exchange.note_items(work.count("image") + work.count("text"))
                 done = await self.embed(work, ctx, call.tower, held)
         with ctx.timer.measure("encode"):
             encoded = call.encode(work, done)
-        return self.respond(ctx, work.protocol, encoded)
+        return ctx, work.protocol, encoded
 
     @asynccontextmanager
-    async def request(self, request: Request) -> AsyncIterator[RequestContext]:
+    async def request(self, exchange: Exchange) -> AsyncIterator[RequestContext]:
         """The request's deadline (receiving the body included) and its stage timer."""
-        timeout_s = request_timeout(request.headers, self.config.limits.request_timeout_s)
-        timer = request.state.timer = StageTimer()  # error responses report the stages done too
+        server_s = self.config.limits.request_timeout_s
+        timeout_s = exchange.timeout_s(server_s)
         deadline = time.perf_counter() + timeout_s
-        ctx = RequestContext(request.state.request_id, timer, deadline, request.receive)
+        ctx = RequestContext(exchange.request_id, exchange.timer, deadline, exchange.gone)
         try:
             async with asyncio.timeout(timeout_s):
                 yield ctx
         except TimeoutError:
-            server_s = self.config.limits.request_timeout_s
-            limit = "X-Request-Timeout-Ms" if timeout_s < server_s else "--request-timeout-s"
+            limit = exchange.deadline_name if timeout_s < server_s else "--request-timeout-s"
             raise RequestTimeout(f"request took longer than {timeout_s:g} s ({limit})") from None
         finally:
             self.body_budget.release(ctx.reserved_bytes)
-
-    async def read_body(self, request: Request, ctx: RequestContext) -> bytes:
-        """The whole body, within --max-body-bytes and the in-flight budget shared by all."""
-        limit = self.config.limits.max_body_bytes
-        declared = request.headers.get("content-length")
-        with ctx.timer.measure("receive"):
-            digits = declared is not None and declared.isascii() and declared.isdigit()
-            if declared is not None and digits and (len(declared) > 19 or int(declared) > limit):
-                raise PayloadTooLarge(
-                    f"body of {declared[:20]} bytes exceeds {limit} (--max-body-bytes)"
-                )
-            # Reserved as bytes arrive, not as declared: a client that declares a large body
-            # and stalls holds only what it sent (headers alone must not lock uploads out).
-            chunks, size = [], 0
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLarge(f"body exceeds {limit} bytes (--max-body-bytes)")
-                self.body_budget.reserve(len(chunk))
-                ctx.reserved_bytes += len(chunk)
-                chunks.append(chunk)
-        ctx.body_bytes = size
-        return b"".join(chunks)
 
     async def in_pool(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """CPU work (parsing, decoding, tokenising) goes to the pool, never onto the event loop."""
@@ -314,7 +303,7 @@ class Pipeline(Generic[TicketT]):
         else:
             run = tower.run(ticket, arrays, normalize=normalize, request_id=rid)
         try:
-            completed = await unless_disconnected(ctx.receive, run)  # the deadline: the ticket's
+            completed = await unless_gone(ctx.gone, run)  # the deadline: the ticket's
         except BaseException as e:
             ctx.timer.add("queue", time.perf_counter() - t0)  # a failed request shows its wait
             if found is not None and isinstance(e, ClipserveError):
@@ -348,14 +337,12 @@ class Pipeline(Generic[TicketT]):
                 rows = await tower.lookup(keys)
         return Found(rows, keys)
 
-    def respond(self, ctx: RequestContext, protocol: str, encoded: Encoded) -> Response:
-        """The 200 answer, with its stages in Server-Timing and in the per-protocol metrics."""
+    def record(self, ctx: RequestContext, protocol: str, response_bytes: int) -> None:
+        """A 200 answer's stages and sizes in the per-protocol metrics."""
         for stage, seconds in ctx.timer.stages.items():
             self.metrics.stage_duration.labels(stage, protocol).observe(seconds)
         self.metrics.request_bytes.labels(protocol).inc(ctx.body_bytes)
-        self.metrics.response_bytes.labels(protocol).inc(len(encoded.content))
-        headers = {**encoded.headers, "Server-Timing": ctx.timer.header()}
-        return Response(encoded.content, media_type=encoded.media_type, headers=headers)
+        self.metrics.response_bytes.labels(protocol).inc(response_bytes)
 
 
 async def _all(jobs: Sequence[Awaitable[T]]) -> list[T]:

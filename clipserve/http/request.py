@@ -4,7 +4,7 @@ the body budget, and a watch on its connection."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -24,7 +24,7 @@ class RequestContext:
     request_id: str
     timer: StageTimer
     deadline: float  # time.perf_counter() by which the answer must be ready
-    receive: Receive  # watched for a disconnect while the request waits for its batch
+    gone: Callable[[], Awaitable[None]]  # returns once the client has gone away
     body_bytes: int = 0
     reserved_bytes: int = 0  # share of --max-body-bytes-in-flight held until the request ends
 
@@ -56,15 +56,15 @@ class BodyBudget:
         """Nothing to free here; a shared budget unmaps its table."""
 
 
-async def _until_disconnected(receive: Receive) -> None:
+async def until_disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
-async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+async def unless_gone(gone: Callable[[], Awaitable[None]], work: Awaitable[T]) -> T:
     """Await `work`, cancelling it if the client goes away first (its items leave the queue)."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnected(receive))
+    watcher = asyncio.ensure_future(gone())
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:

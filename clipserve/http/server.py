@@ -368,6 +368,27 @@ def build_uvicorn_config(app: Any, config: HttpConfig, **overrides: Any) -> uvic
     return uvicorn.Config(app, **settings)
 
 
+def bind_port(host: str, port: int, option: str, *, reuse_port: bool = False) -> socket.socket:
+    """The port bound, not listening, or StartupError naming `option` when anything holds it.
+    `reuse_port`: then rebound with SO_REUSEPORT, so the front ends' gRPC servers (which
+    cannot serve on an inherited socket) bind beside it while a second server cannot."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:  # without SO_REUSEPORT: a second clipserve on the port must not pass
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        if reuse_port:
+            sock.close()
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise StartupError(f"{option}: cannot listen on {host}:{port} ({e.strerror})") from None
+    return sock
+
+
 def check_tls(config: HttpConfig) -> None:
     """Load the certificate and key once, so a bad pair is a one-line StartupError rather than
     uvicorn's traceback once the model has loaded (or a front end that never starts)."""
@@ -398,6 +419,10 @@ class DrainingServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.gate is not None:
             self.gate.close()
+        # The app's other listeners (gRPC) stop taking calls as HTTP does, not after its drain.
+        drain = getattr(getattr(self.config.app, "state", None), "drain", None)
+        if drain is not None:
+            drain()
         await super().shutdown(sockets)
 
     @contextlib.contextmanager

@@ -25,6 +25,7 @@ STATUS: dict[type[errors.ClipserveError], int] = {
     errors.TooManyItems: 413,
     errors.UnsupportedMediaType: 415,
     errors.NotAcceptable: 406,
+    errors.Unsupported: 400,
     errors.InvalidParameter: 422,
     errors.ModelNotFound: 404,
     errors.Unauthorized: 401,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import orjson
@@ -27,14 +27,27 @@ from clipserve.errors import InvalidBody, InvalidTensor, TooManyItems
 from clipserve.protocol.kserve_inputs import (
     LENGTH,
     NUMERIC,
+    InputTensor,
     array_of,
     images_of,
     input_tensor,
     texts_of,
 )
+from clipserve.protocol.shm import RegionRef
 
 if TYPE_CHECKING:
     from clipserve.batching.tower import TowerKind
+
+
+class ServedModel(Protocol):
+    """A served model as the codec needs it (`http.names.KServeModel`)."""
+
+    @property
+    def tower(self) -> TowerKind: ...
+
+    @property
+    def datatype(self) -> str | None: ...
+
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 TEXT_SUFFIX = "-text"
@@ -54,6 +67,7 @@ class RequestedOutput:
     name: str
     datatype: str
     binary: bool
+    region: RegionRef | None = None  # written into this shared-memory region, not sent
 
 
 @dataclass
@@ -142,6 +156,7 @@ def parse_infer_request(
     max_text_chars: int,
     output: str = DEFAULT_OUTPUT,
     truncate: bool = False,
+    datatype: str | None = None,
 ) -> InferRequest:
     """Validate an inference request for the image or text model; `size` is the model's
     (height, width), `output` the FP32 output's name. Shapes and element counts are checked
@@ -159,23 +174,55 @@ def parse_infer_request(
         raise InvalidBody('"id" must be a string')
     outputs = _outputs(doc, output)
     tensor = input_tensor(doc, binary)
-    datatype = tensor.datatype
     suffix = "" if tensor.binary is not None else "-json"
     request = InferRequest("", outputs, request_id)
+    return read_input(
+        request,
+        tensor,
+        "kserve",
+        suffix,
+        tower=tower,
+        datatype=datatype,
+        size=size,
+        max_items=max_items,
+        max_text_chars=max_text_chars,
+        truncate=truncate,
+    )
+
+
+def read_input(
+    request: InferRequest,
+    tensor: InputTensor,
+    prefix: str,
+    suffix: str,
+    *,
+    tower: TowerKind,
+    datatype: str | None,
+    size: tuple[int, int],
+    max_items: int,
+    max_text_chars: int,
+    truncate: bool,
+) -> InferRequest:
+    """`request` with the input's images, tensor or texts, whichever protocol carried it
+    (`prefix`-<datatype>`suffix` is its metrics label); `datatype`: the only one the model
+    takes (a per-kind model), None for any of the tower's."""
+    got = tensor.datatype
+    if datatype is not None and got != datatype:
+        raise InvalidTensor(f"datatype {got}: this model takes {datatype} only")
     if tower == "text":
-        if datatype != "BYTES":
-            raise InvalidTensor(f"datatype {datatype}: the text model takes BYTES (UTF-8 text)")
+        if got != "BYTES":
+            raise InvalidTensor(f"datatype {got}: the text model takes BYTES (UTF-8 text)")
         request.texts = texts_of(tensor, max_items, max_text_chars, truncate)
-        request.protocol = "kserve-text" + suffix
-    elif datatype == "BYTES":
+        request.protocol = f"{prefix}-text{suffix}"
+    elif got == "BYTES":
         request.images = images_of(tensor, max_items)
-        request.protocol = "kserve-bytes" + suffix
-    elif datatype in NUMERIC:
+        request.protocol = f"{prefix}-bytes{suffix}"
+    elif got in NUMERIC:
         request.tensor = array_of(tensor, size, max_items)
-        request.protocol = f"kserve-{datatype.lower()}" + suffix
+        request.protocol = f"{prefix}-{got.lower()}{suffix}"
     else:
         raise InvalidTensor(
-            f"datatype {datatype} is not supported; the image model takes BYTES (encoded "
+            f"datatype {got} is not supported; the image model takes BYTES (encoded "
             "images), UINT8 [N, H, W, 3], FP16 or FP32 [N, 3, H, W]"
         )
     return request
@@ -224,21 +271,28 @@ def server_metadata() -> dict[str, Any]:
     return {"name": "clipserve", "version": __version__, "extensions": ["binary_tensor_data"]}
 
 
-def model_metadata(
-    name: str, tower: TowerKind, size: tuple[int, int], embed_dim: int, output: str
-) -> dict[str, Any]:
-    """What `GET /v2/models/{name}` answers. The image model lists each input it accepts; a
-    request sends exactly one of them."""
+def model_inputs(
+    tower: TowerKind, datatype: str | None, size: tuple[int, int]
+) -> list[dict[str, Any]]:
+    """The inputs a model lists. The image model lists each it accepts (a request sends
+    exactly one); a per-kind model (`datatype`) lists its one. BYTES are [-1, 1]: Triton's
+    perf_analyzer drops the batch dimension and needs one left."""
     h, w = size
     if tower == "text":
-        inputs = [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
-    else:
-        inputs = [
-            {"name": "image", "datatype": "BYTES", "shape": [-1]},
-            {"name": "pixels", "datatype": "UINT8", "shape": [-1, h, w, 3]},
-            {"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, h, w]},
-            {"name": "pixel_values_fp16", "datatype": "FP16", "shape": [-1, 3, h, w]},
-        ]
+        return [{"name": "text", "datatype": "BYTES", "shape": [-1, 1]}]
+    inputs = [
+        {"name": "image", "datatype": "BYTES", "shape": [-1, 1]},
+        {"name": "pixels", "datatype": "UINT8", "shape": [-1, h, w, 3]},
+        {"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, h, w]},
+        {"name": "pixel_values_fp16", "datatype": "FP16", "shape": [-1, 3, h, w]},
+    ]
+    return [i for i in inputs if datatype is None or i["datatype"] == datatype]
+
+
+def model_metadata(
+    name: str, model: ServedModel, size: tuple[int, int], embed_dim: int, output: str
+) -> dict[str, Any]:
+    """What `GET /v2/models/{name}` answers (and gRPC's ModelMetadata)."""
     outputs = [
         {"name": n, "datatype": t, "shape": [-1, embed_dim]}
         for n, t in output_types(output).items()
@@ -247,7 +301,7 @@ def model_metadata(
         "name": name,
         "versions": [VERSION],
         "platform": "clipserve",
-        "inputs": inputs,
+        "inputs": model_inputs(model.tower, model.datatype, size),
         "outputs": outputs,
     }
 

@@ -54,7 +54,7 @@ def test_health_and_metadata(server: RunningServer, client: triton.InferenceServ
     model = client.get_model_metadata(model_name(server))
     assert model["name"] == model_name(server) and model["versions"] == ["1"]
     assert {i["datatype"]: i["shape"] for i in model["inputs"]} == {
-        "BYTES": [-1],
+        "BYTES": [-1, 1],
         "UINT8": [-1, 224, 224, 3],
         "FP32": [-1, 3, 224, 224],
         "FP16": [-1, 3, 224, 224],
@@ -64,7 +64,7 @@ def test_health_and_metadata(server: RunningServer, client: triton.InferenceServ
         "embedding_fp16": ("FP16", [-1, 32]),
     }
     text = client.get_model_metadata(model_name(server) + "-text", model_version="1")
-    assert text["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+    assert text["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1, 1]}]
 
 
 @pytest.mark.parametrize("binary", [True, False])

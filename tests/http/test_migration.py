@@ -77,6 +77,9 @@ def test_openai_client_uses_its_own_model_name(named: RunningServer, client: ope
     }
 
 
+KINDS = ("bytes", "uint8", "fp32", "fp16")  # the per-kind models (perf_analyzer's)
+
+
 def test_triton_client_uses_its_own_model_and_output_names(named: RunningServer) -> None:
     image = png_bytes(random_pixels(2))
     tc = triton.InferenceServerClient(named.url.removeprefix("http://"))
@@ -87,6 +90,7 @@ def test_triton_client_uses_its_own_model_and_output_names(named: RunningServer)
             ("clip", "READY"),
             ("nvidia/nvclip-text", "READY"),
             ("clip-text", "READY"),
+            *((f"{name}-{kind}", "READY") for name in ("nvidia/nvclip", "clip") for kind in KINDS),
         ]
         meta = tc.get_model_metadata("clip")
         assert [o["name"] for o in meta["outputs"]] == ["OUTPUT__0", "OUTPUT__0_fp16"]

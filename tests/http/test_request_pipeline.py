@@ -21,9 +21,8 @@ from clipserve.metrics import Metrics
 from tests.helpers import make_config, png_bytes, random_pixels
 
 
-async def _never_disconnects() -> dict[str, Any]:
+async def _never_disconnects() -> None:
     await asyncio.Event().wait()
-    return {}
 
 
 def _context() -> RequestContext:

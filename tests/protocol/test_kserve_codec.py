@@ -21,6 +21,7 @@ from clipserve.errors import (
     TooManyItems,
     TooManyTexts,
 )
+from clipserve.http.names import KServeModel
 from clipserve.protocol import kserve
 from clipserve.protocol.kserve import RequestedOutput, parse_infer_request
 from tests.helpers import bytes_input
@@ -278,10 +279,10 @@ def test_responses_parse_with_tritonclient(binary: bool) -> None:
 
 
 def test_metadata_describes_the_model() -> None:
-    meta = kserve.model_metadata("tiny", "image", (224, 256), 32, "embedding")
+    meta = kserve.model_metadata("tiny", KServeModel("image"), (224, 256), 32, "embedding")
     shapes = {i["datatype"]: i["shape"] for i in meta["inputs"]}
     assert shapes == {
-        "BYTES": [-1],
+        "BYTES": [-1, 1],  # perf_analyzer drops the batch dimension and needs one left
         "UINT8": [-1, 224, 256, 3],
         "FP32": [-1, 3, 224, 256],
         "FP16": [-1, 3, 224, 256],
@@ -290,9 +291,18 @@ def test_metadata_describes_the_model() -> None:
         ("embedding", "FP32", [-1, 32]),
         ("embedding_fp16", "FP16", [-1, 32]),
     ]
-    text = kserve.model_metadata("tiny-text", "text", (224, 224), 32, "out")
-    assert text["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+    text = kserve.model_metadata("tiny-text", KServeModel("text"), (224, 224), 32, "out")
+    assert text["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1, 1]}]
     assert [o["name"] for o in text["outputs"]] == ["out", "out_fp16"]
+    uint8 = kserve.model_metadata("tiny-uint8", KServeModel("image", "UINT8"), (224, 224), 32, "e")
+    assert uint8["inputs"] == [{"name": "pixels", "datatype": "UINT8", "shape": [-1, 224, 224, 3]}]
+
+
+def test_a_per_kind_model_takes_its_datatype_only() -> None:
+    body, headers = kserve.build_infer_request(JPEGS)
+    assert parse(body, headers[kserve.HEADER_LENGTH], datatype="BYTES").images == JPEGS
+    with pytest.raises(InvalidTensor, match="this model takes UINT8 only"):
+        parse(body, headers[kserve.HEADER_LENGTH], datatype="UINT8")
 
 
 def test_build_infer_request_round_trips() -> None:

@@ -20,9 +20,10 @@ from starlette.routing import BaseRoute, Route
 
 from clipserve.batching.tower import TowerKind
 from clipserve.config import LimitsConfig
-from clipserve.errors import ModelNotFound, UnsupportedMediaType
+from clipserve.errors import UnsupportedMediaType
 from clipserve.http import health
 from clipserve.http.door import inference_route
+from clipserve.http.names import KServeModel, resolve_model
 from clipserve.http.pipeline import Pipeline, Serving, pipeline_of
 from clipserve.http.work import Embedded, Encoded, ImageWork, TextWork, Work
 from clipserve.protocol import kserve as codec
@@ -38,22 +39,11 @@ def _empty(ok: bool) -> Response:
     return Response(status_code=200 if ok else 503)
 
 
-def _model(request: Request) -> tuple[str, TowerKind]:
-    """The model the path names, and its tower (404 for any other model or version)."""
+def _model(request: Request) -> tuple[str, KServeModel]:
+    """The model the path names (404 for any other model or version)."""
     name: str = request.path_params["name"]
-    models = pipeline_of(request).names.kserve()
-    if name not in models:
-        served = ", ".join(repr(m) for m in models)
-        raise ModelNotFound(
-            f"Request for unknown model: '{name}' is not found; this server serves {served}"
-        )
     version = request.path_params.get("version", codec.VERSION)
-    if version != codec.VERSION:
-        raise ModelNotFound(
-            f"Request for unknown model: '{name}' version {version} is not found; its only "
-            f"version is {codec.VERSION}"
-        )
-    return name, models[name]
+    return resolve_model(pipeline_of(request).names, name, version)
 
 
 @dataclass(frozen=True)
@@ -63,15 +53,19 @@ class Infer:
 
     runtime: Serving
     name: str
-    tower: TowerKind
+    model: KServeModel
     header_length: str | None
     limits: LimitsConfig
     output: str
     inline: bool = False
 
+    @property
+    def tower(self) -> TowerKind:
+        return self.model.tower
+
     @classmethod
     def of(cls, request: Request, pipeline: Pipeline[Any]) -> Infer:
-        name, tower = _model(request)
+        name, model = _model(request)
         encoding = request.headers.get("content-encoding", "identity").strip().lower()
         if encoding != "identity":
             raise UnsupportedMediaType(
@@ -79,7 +73,7 @@ class Infer:
             )
         header_length = request.headers.get(codec.HEADER_LENGTH)
         limits, output = pipeline.config.limits, pipeline.names.output
-        return cls(pipeline.runtime, name, tower, header_length, limits, output)
+        return cls(pipeline.runtime, name, model, header_length, limits, output)
 
     def parse(self, body: bytes) -> Work[codec.InferRequest]:
         parsed = codec.parse_infer_request(
@@ -91,6 +85,7 @@ class Infer:
             max_text_chars=self.limits.max_text_chars,
             output=self.output,
             truncate=self.limits.truncate_text,
+            datatype=self.model.datatype,
         )
         work = Work(parsed.protocol, parsed)
         if self.tower == "text":
@@ -125,16 +120,16 @@ async def ready(request: Request) -> Response:
 
 
 async def model_ready(request: Request) -> Response:
-    _, tower = _model(request)
-    return _empty(health.tower_ready(pipeline_of(request).towers[tower]))
+    _, model = _model(request)
+    return _empty(health.tower_ready(pipeline_of(request).towers[model.tower]))
 
 
 async def model_metadata(request: Request) -> Response:
-    name, tower = _model(request)
+    name, served = _model(request)
     pipeline = pipeline_of(request)
     model = pipeline.runtime.model
     size, dim, output = model.preprocess.size, model.embed_dim, pipeline.names.output
-    return _json(codec.model_metadata(name, tower, size, dim, output))
+    return _json(codec.model_metadata(name, served, size, dim, output))
 
 
 async def repository_index(request: Request) -> Response:
@@ -142,7 +137,7 @@ async def repository_index(request: Request) -> Response:
     `get_model_repository_index` and perf_analyzer ask it which models are there."""
     pipeline = pipeline_of(request)
     ready = {kind: health.tower_ready(tower) for kind, tower in pipeline.towers.items()}
-    models = {name: ready[kind] for name, kind in pipeline.names.kserve().items()}
+    models = {name: ready[m.tower] for name, m in pipeline.names.kserve_models().items()}
     return _json(codec.repository_index(models))
 
 

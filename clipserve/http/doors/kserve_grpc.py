@@ -1,0 +1,218 @@
+"""Triton's gRPC service over the same pipeline, names, health and limits as the KServe v2
+HTTP door (http/doors/kserve.py): the servicer `http/grpc_server.py` serves.
+
+A ModelInfer message arrives as bytes. Only its model name and version are read before
+admission (`peek_model`: a walk over the message's top-level fields, nothing copied); the
+message is parsed in the decode pool once the request holds its place in the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from tritonclient.grpc import service_pb2 as pb
+
+from clipserve import __version__
+from clipserve.batching.tower import TowerKind
+from clipserve.config import LimitsConfig
+from clipserve.errors import InvalidBody, PayloadTooLarge
+from clipserve.http import health
+from clipserve.http.cache_keys import reads_cache
+from clipserve.http.names import KServeModel, resolve_model
+from clipserve.http.pipeline import Pipeline, Serving
+from clipserve.http.request import BodyBudget, RequestContext
+from clipserve.http.timing import StageTimer
+from clipserve.http.work import Embedded, Encoded, ImageWork, TextWork, Work
+from clipserve.protocol import kserve as codec
+from clipserve.protocol import kserve_grpc as grpc_codec
+from clipserve.protocol.kserve import InferRequest
+from clipserve.protocol.shm import ReadRegion, WriteRegion
+
+Context = grpc.aio.ServicerContext[Any, Any]  # the call's context, as every handler gets it
+
+
+def _varint(body: bytes, at: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while at < len(body) and shift < 64:
+        byte = body[at]
+        value |= (byte & 0x7F) << shift
+        at += 1
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+    raise InvalidBody("malformed ModelInferRequest: a varint runs past the message")
+
+
+def peek_model(body: bytes) -> tuple[str, str]:
+    """ModelInferRequest's `model_name` (field 1) and `model_version` (field 2), read off the
+    wire format without parsing the rest; InvalidBody if the fields around them are broken."""
+    found: dict[int, str] = {}
+    at = 0
+    while at < len(body) and len(found) < 2:
+        tag, at = _varint(body, at)
+        field, wire = tag >> 3, tag & 7
+        if wire == 2:  # length-delimited: every field of this message
+            length, at = _varint(body, at)
+            if at + length > len(body):
+                raise InvalidBody("malformed ModelInferRequest: a field runs past the message")
+            if field in (1, 2):
+                try:
+                    found[field] = body[at : at + length].decode()
+                except UnicodeDecodeError:
+                    problem = "malformed ModelInferRequest: the model's name is not UTF-8"
+                    raise InvalidBody(problem) from None
+            at += length
+        elif wire == 0:
+            _, at = _varint(body, at)
+        elif wire in (1, 5):
+            at += 8 if wire == 1 else 4
+        else:
+            raise InvalidBody(f"malformed ModelInferRequest: wire type {wire}")
+    return found.get(1, ""), found.get(2, "")
+
+
+class GrpcExchange:
+    """A ModelInfer call as the pipeline sees it: the deadline the client set, the message
+    (received whole by gRPC within --max-body-bytes), and no disconnect watch: gRPC cancels the
+    handler itself when the client cancels or its deadline passes."""
+
+    deadline_name = "the gRPC deadline"
+
+    def __init__(self, context: Context, request_id: str, message: bytes) -> None:
+        self.context = context
+        self.request_id = request_id
+        self.timer = StageTimer()
+        self.message = message
+        self.items = 0
+        metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+        self.fresh = not reads_cache(metadata)
+
+    def timeout_s(self, server_s: float) -> float:
+        remaining = self.context.time_remaining()
+        return server_s if remaining is None else max(0.0, min(remaining, server_s))
+
+    async def body(self, limit: int, budget: BodyBudget, ctx: RequestContext) -> bytes:
+        if len(self.message) > limit:  # gRPC refuses these first: kept for a changed option
+            raise PayloadTooLarge(f"message exceeds {limit} bytes (--max-body-bytes)")
+        budget.reserve(len(self.message))
+        ctx.reserved_bytes += len(self.message)
+        return self.message
+
+    async def gone(self) -> None:
+        await asyncio.Event().wait()
+
+    def note_items(self, n: int) -> None:
+        self.items = n
+
+
+@dataclass(frozen=True)
+class GrpcInfer:
+    """ModelInfer for one model: parsed in the pool, answered as ModelInferResponse bytes."""
+
+    runtime: Serving
+    name: str
+    model: KServeModel
+    limits: LimitsConfig
+    output: str
+    read_region: ReadRegion | None = None
+    write_region: WriteRegion | None = None
+    inline: bool = False
+
+    @property
+    def tower(self) -> TowerKind:
+        return self.model.tower
+
+    def parse(self, body: bytes) -> Work[InferRequest]:
+        parsed = grpc_codec.parse_model_infer(
+            body,
+            tower=self.tower,
+            datatype=self.model.datatype,
+            size=self.runtime.model.preprocess.size,
+            max_items=self.limits.max_items_per_request,
+            max_text_chars=self.limits.max_text_chars,
+            output=self.output,
+            truncate=self.limits.truncate_text,
+            read_region=self.read_region,
+        )
+        work = Work(parsed.protocol, parsed)
+        if self.tower == "text":
+            tokens = self.runtime.tokenize(parsed.texts, truncate=self.limits.truncate_text)
+            work.texts = TextWork(parsed.protocol, parsed.texts, tokens)
+        else:
+            work.images = ImageWork(parsed.protocol, parsed.images, tensor=parsed.tensor)
+        return work
+
+    def encode(self, work: Work[InferRequest], done: Embedded) -> Encoded:
+        completed = done.texts if self.tower == "text" else done.images
+        assert completed is not None
+        content = grpc_codec.encode_model_infer(
+            completed.embeddings,
+            model_name=self.name,
+            request_id=work.parsed.id,
+            outputs=work.parsed.outputs,
+            write_region=self.write_region,
+        )
+        return Encoded(content, "application/grpc")
+
+
+class InferenceServicer:
+    """Every method of Triton's service clipserve serves; `grpc_server.build_grpc_server`
+    wraps each (request id, keys, metrics, errors as gRPC statuses)."""
+
+    def __init__(self, pipeline: Pipeline[Any]) -> None:
+        self.pipeline = pipeline
+
+    def _model(self, name: str, version: str) -> tuple[str, KServeModel]:
+        return resolve_model(self.pipeline.names, name, version)
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any, rid: str) -> Any:
+        return pb.ServerLiveResponse(live=health.liveness(self.pipeline.towers).ok)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any, rid: str) -> Any:
+        return pb.ServerReadyResponse(ready=health.readiness(self.pipeline.towers).ok)
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any, rid: str) -> Any:
+        _, model = self._model(request.name, request.version)
+        ready = health.tower_ready(self.pipeline.towers[model.tower])
+        return pb.ModelReadyResponse(ready=ready)
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: Any, rid: str
+    ) -> Any:
+        doc = codec.server_metadata()
+        return pb.ServerMetadataResponse(
+            name=doc["name"], version=__version__, extensions=doc["extensions"]
+        )
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any, rid: str) -> Any:
+        name, model = self._model(request.name, request.version)
+        doc = codec.model_metadata(name, model, *self._shape())
+        return json_format.ParseDict(doc, pb.ModelMetadataResponse())
+
+    def _shape(self) -> tuple[tuple[int, int], int, str]:
+        model = self.pipeline.runtime.model
+        return model.preprocess.size, model.embed_dim, self.pipeline.names.output
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: Any, rid: str
+    ) -> Any:
+        towers = self.pipeline.towers
+        ready = {kind: health.tower_ready(tower) for kind, tower in towers.items()}
+        models = {n: ready[m.tower] for n, m in self.pipeline.names.kserve_models().items()}
+        return json_format.ParseDict(
+            {"models": codec.repository_index(models)}, pb.RepositoryIndexResponse()
+        )
+
+    async def ModelInfer(self, body: bytes, context: Context, rid: str) -> bytes:
+        pipeline = self.pipeline
+        name, model = self._model(*peek_model(body))
+        limits, output = pipeline.config.limits, pipeline.names.output
+        call = GrpcInfer(pipeline.runtime, name, model, limits, output)
+        ctx, protocol, encoded = await pipeline.run(GrpcExchange(context, rid, body), call)
+        pipeline.record(ctx, protocol, len(encoded.content))
+        context.set_trailing_metadata((("server-timing", ctx.timer.header()),))
+        return encoded.content

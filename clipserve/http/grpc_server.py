@@ -1,0 +1,205 @@
+"""Triton's gRPC service (`inference.GRPCInferenceService`: KServe v2 and Triton's additions)
+on grpc.aio, in each front-end process beside uvicorn and on the same event loop, so a gRPC
+inference walks the same pipeline as an HTTP one (http/doors/kserve_grpc.py).
+
+Around every call, what the HTTP side does in its middleware: a request id (`x-request-id`
+metadata, echoed in the initial metadata), the key check and the rate limit's first token
+(`authorization: Bearer` or `x-api-key` metadata), the count and duration by method and by
+the HTTP status the same error would have (so dashboards and alerts read one series), the
+access line, and each domain error as a gRPC status (`grpc_status.py`).
+
+ModelInfer is registered without a deserializer: the pipeline reads its bytes, and the
+message is parsed in the decode pool after admission, as every HTTP body is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+from tritonclient.grpc import service_pb2
+
+from clipserve.config import ServerConfig
+from clipserve.errors import ClipserveError, StartupError, Unauthorized
+from clipserve.http.access import Access, charging
+from clipserve.http.grpc_status import grpc_error
+from clipserve.http.observer import new_request_id, valid_request_id
+from clipserve.http.server import check_tls
+from clipserve.http.status import CLIENT_CLOSED, status_for
+from clipserve.logs import ACCESS_LOGGER
+from clipserve.metrics import Metrics
+
+Context = grpc.aio.ServicerContext[Any, Any]  # the call's context, as every handler gets it
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger(ACCESS_LOGGER)
+
+SERVICE = "inference.GRPCInferenceService"
+RAW_METHODS = frozenset({"ModelInfer"})  # bytes in, bytes out: see the module's notes
+OPEN_METHODS = frozenset({"ServerLive", "ServerReady", "ModelReady"})  # probes hold no key
+MAX_CONCURRENT_STREAMS = 128  # per HTTP/2 connection; --max-connections bounds all RPCs
+
+Handler = Callable[[Any, Context, str], Awaitable[Any]]
+
+
+def _metadata(context: Context) -> dict[str, str | bytes]:
+    return {key: value for key, value in context.invocation_metadata() or ()}
+
+
+def _request_id(metadata: dict[str, str | bytes]) -> str:
+    sent = metadata.get("x-request-id")
+    if isinstance(sent, str) and sent.isascii() and valid_request_id(sent.encode()):
+        return sent
+    return new_request_id()
+
+
+class CallGuard:
+    """What wraps every RPC: see the module's notes."""
+
+    def __init__(self, metrics: Metrics, access: Access | None) -> None:
+        self.metrics = metrics
+        self.access = access
+
+    def wrap(self, method: str, handler: Handler) -> Callable[..., Awaitable[Any]]:
+        route = f"/{SERVICE}/{method}"
+        guarded = method not in OPEN_METHODS
+
+        async def call(request: Any, context: Context) -> Any:
+            t0 = time.perf_counter()
+            metadata = _metadata(context)
+            request_id = _request_id(metadata)
+            status, key = 200, None
+            try:
+                await context.send_initial_metadata((("x-request-id", request_id),))
+                if guarded and self.access is not None:
+                    grant = self._grant(metadata)
+                    key = grant.label
+                    if method == "ModelInfer" and grant.rate is not None:
+                        wait = self.access.wait_s(grant)
+                        if wait > 0:  # refused before the message is parsed
+                            raise self.access.refused(grant, grant.rate, wait)
+                    with charging(grant):
+                        return await handler(request, context, request_id)
+                return await handler(request, context, request_id)
+            except asyncio.CancelledError:
+                status = CLIENT_CLOSED  # the client cancelled or its deadline passed
+                raise
+            except grpc.aio.AbortError:
+                status = 400  # the handler aborted with a status of its own
+                raise
+            except Exception as exc:
+                if isinstance(exc, ClipserveError):
+                    status = status_for(exc)
+                else:
+                    status = 500
+                    log.error("unhandled error, request id %s", request_id, exc_info=exc)
+                error = grpc_error(exc)
+                await context.abort(error.code, error.message, error.trailing_metadata)
+            finally:
+                elapsed = time.perf_counter() - t0
+                self.metrics.requests.labels(route, str(status)).inc()
+                self.metrics.request_duration.labels(route).observe(elapsed)
+                if access_log.isEnabledFor(logging.INFO):
+                    _log_access(context, request_id, route, status, elapsed, key)
+
+        return call
+
+    def _grant(self, metadata: dict[str, str | bytes]) -> Any:
+        assert self.access is not None
+        pairs = [
+            (name.encode(), value.encode() if isinstance(value, str) else value)
+            for name, value in metadata.items()
+            if name in ("authorization", "x-api-key")
+        ]
+        grant = self.access.grant_for(pairs)
+        if grant is None:
+            raise Unauthorized(
+                "the API key is not valid"
+                if pairs
+                else "an API key is required: authorization: Bearer <key>, or x-api-key: <key>"
+            )
+        return grant
+
+
+def _log_access(
+    context: Context,
+    request_id: str,
+    route: str,
+    status: int,
+    elapsed: float,
+    key: str | None,
+) -> None:
+    fields = {
+        "request_id": request_id,
+        "method": "GRPC",
+        "route": route,
+        "path": route,
+        "status": status,
+        "duration_ms": round(elapsed * 1000, 3),
+        "items": None,
+        "client": context.peer(),
+        "key": key,
+    }
+    access_log.info("GRPC %s %d", route, status, extra={"fields": fields})
+
+
+def _message(name: str) -> type[Message]:
+    cls: type[Message] = getattr(service_pb2, name)
+    return cls
+
+
+def build_grpc_server(
+    config: ServerConfig,
+    servicer: object,
+    metrics: Metrics,
+    access: Access | None,
+    *,
+    reuse_port: bool = False,
+) -> tuple[grpc.aio.Server, int]:
+    """The server with every method `servicer` implements (others answer UNIMPLEMENTED, as
+    gRPC does), bound to --host:--grpc-port; and the port bound (for port 0 in tests).
+    `reuse_port`: the front ends of --workers N bind the same port (the supervisor holds it)."""
+    http, limits = config.http, config.limits
+    options: list[tuple[str, Any]] = [
+        # The body limit, enforced by gRPC itself (RESOURCE_EXHAUSTED) before a byte is ours.
+        ("grpc.max_receive_message_length", limits.max_body_bytes),
+        ("grpc.max_send_message_length", -1),  # answers are a few embeddings
+        ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
+    ]
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=http.max_connections)
+    guard = CallGuard(metrics, access)
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+        handler = getattr(servicer, method.name, None)
+        if handler is None or method.client_streaming or method.server_streaming:
+            continue
+        wrapped = guard.wrap(method.name, handler)
+        if method.name in RAW_METHODS:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(wrapped)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                wrapped,
+                request_deserializer=_message(method.input_type.name).FromString,
+                response_serializer=_message(method.output_type.name).SerializeToString,
+            )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    address = f"{http.host}:{http.grpc_port}"
+    if http.ssl_certfile is not None and http.ssl_keyfile is not None:
+        check_tls(http)
+        with open(http.ssl_certfile, "rb") as cert, open(http.ssl_keyfile, "rb") as key:
+            credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+    try:
+        if http.ssl_certfile is not None and http.ssl_keyfile is not None:
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError as e:  # grpc's "Failed to bind to address ..."
+        problem = f"--grpc-port {http.grpc_port}: cannot listen on {address} ({e})"
+        raise StartupError(problem) from None
+    return server, port
