@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 ARGS   ?= --pretrained none
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-slow check lint bench bench-report gpu-check clean
+.PHONY: serve test test-slow check lint bench bench-report gpu-check perf-analyzer-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,5 +46,10 @@ gpu-check: ARGS =
 gpu-check:
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m bench.gpu_check $(ARGS)
 
+# Triton's perf_analyzer in .perf-analyzer/ (binary and libraries extracted, nothing installed):
+# tests/test_perf_analyzer.py (slow) runs it against clipserve over gRPC and HTTP.
+perf-analyzer-env: $(STAMP)
+	PYTHON=$(BIN)/python scripts/perf_analyzer_env.sh .perf-analyzer
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .perf-analyzer

@@ -114,6 +114,8 @@ class LimitsConfig:
     )
     max_items_per_request: int = _opt(64, "most images in one request")
     max_text_chars: int = _opt(1000, "longest text in characters, on every route")
+    shm_max_regions: int = _opt(64, "most system shared-memory regions registered at once")
+    shm_max_bytes: int = _opt(1 << 30, "most bytes of the registered regions together")
     truncate_text: bool = _opt(
         False,
         "texts over the model's context (77 tokens for CLIP) are cut to fit, as Infinity "

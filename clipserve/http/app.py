@@ -26,6 +26,7 @@ from clipserve.http.doors import DOORS
 from clipserve.http.observer import RequestObserver, request_tracing
 from clipserve.http.pipeline import Pipeline, Serving
 from clipserve.http.request import BodyBudget, ClientGone
+from clipserve.http.shm_regions import SharedMemoryRegions
 from clipserve.http.status import ErrorPages
 from clipserve.inference.runtime import Runtime, build_runtime
 from clipserve.inference.towers import Towers, add_status_gauges
@@ -143,6 +144,18 @@ def _body_budget(config: ServerConfig, front_end: tuple[int, int] | None) -> Bod
     return SharedBodyBudget(capacity, budget_path(supervisor), index, config.http.workers)
 
 
+def _shm_regions(config: ServerConfig, front_end: tuple[int, int] | None) -> SharedMemoryRegions:
+    """Triton's shared-memory regions: this process's, or a table every front end shares
+    (removed with the supervisor's other files)."""
+    lim = config.limits
+    table = None
+    if front_end is not None:
+        from clipserve.engine.slots import segment_prefix, shm_dir
+
+        table = shm_dir() / f"{segment_prefix(front_end[0])}shm-regions.json"
+    return SharedMemoryRegions(lim.shm_max_regions, lim.shm_max_bytes, table)
+
+
 def create_app(
     config: ServerConfig,
     runtime: Runtime | None = None,
@@ -172,7 +185,8 @@ def create_app(
             pool = ThreadPoolExecutor(workers, thread_name_prefix="clipserve-decode")
             # Served with the config as resolved: batch and queue sizes for the devices.
             budget = _body_budget(config, front_end)
-            pipeline = Pipeline(rt.config, rt, image, text, metrics, pool, budget)
+            regions = _shm_regions(config, front_end)
+            pipeline = Pipeline(rt.config, rt, image, text, metrics, pool, budget, regions)
             app.state.pipeline = pipeline
             devices = ", ".join(rt.devices)
             log.info("serving %s with %s on %s", rt.model.identity, rt.backend, devices)

@@ -32,6 +32,7 @@ from clipserve.http.exchange import Exchange, HttpExchange
 from clipserve.http.fetch import ImageFetcher
 from clipserve.http.names import ServedNames
 from clipserve.http.request import BodyBudget, RequestContext, unless_gone
+from clipserve.http.shm_regions import SharedMemoryRegions
 from clipserve.http.work import Call, Embedded, Encoded, ImageWork, Parsed, TextWork, Work
 from clipserve.inference.model import LoadedModel
 from clipserve.inference.preprocess import ImageDecoder
@@ -90,6 +91,7 @@ class Pipeline(Generic[TicketT]):
         metrics: Metrics,
         decode_pool: ThreadPoolExecutor,
         body_budget: BodyBudget | None = None,
+        regions: SharedMemoryRegions | None = None,
     ) -> None:
         self.config = config
         self.runtime = runtime
@@ -101,6 +103,9 @@ class Pipeline(Generic[TicketT]):
         # --max-body-bytes-in-flight: this process's own, unless the front ends share one.
         self.body_budget = body_budget or BodyBudget(config.limits.max_body_bytes_in_flight)
         self.fetcher = ImageFetcher(config.access)
+        # Triton's system shared memory: this process's, unless the front ends share a table.
+        lim = config.limits
+        self.regions = regions or SharedMemoryRegions(lim.shm_max_regions, lim.shm_max_bytes)
         self.cache_keys = (  # None: --cache-mb 0, nothing is hashed
             CacheKeys.of(config, model, runtime.backend, runtime.precision)
             if config.cache.cache_mb

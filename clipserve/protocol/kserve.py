@@ -23,7 +23,7 @@ import numpy as np
 import orjson
 
 from clipserve import __version__
-from clipserve.errors import InvalidBody, InvalidTensor, TooManyItems
+from clipserve.errors import InvalidBody, InvalidTensor, TooManyItems, Unsupported
 from clipserve.protocol.kserve_inputs import (
     LENGTH,
     NUMERIC,
@@ -33,7 +33,7 @@ from clipserve.protocol.kserve_inputs import (
     input_tensor,
     texts_of,
 )
-from clipserve.protocol.shm import RegionRef
+from clipserve.protocol.shm import ReadRegion, RegionRef, WriteRegion, region_ref
 
 if TYPE_CHECKING:
     from clipserve.batching.tower import TowerKind
@@ -54,6 +54,12 @@ TEXT_SUFFIX = "-text"
 VERSION = "1"  # one version per model; Triton's clients ask for "" or "1"
 DEFAULT_OUTPUT = "embedding"  # --output-name
 DTYPES = {"FP32": "<f4", "FP16": "<f2"}  # output datatype → little-endian numpy dtype
+EXTENSIONS = (
+    "binary_tensor_data",
+    "model_repository",
+    "model_configuration",
+    "system_shared_memory",
+)
 
 
 def output_types(output: str) -> dict[str, str]:
@@ -124,11 +130,11 @@ def _outputs(doc: dict[str, Any], output: str) -> list[RequestedOutput]:
         out_params = spec.get("parameters") or {}
         if not isinstance(out_params, dict):
             raise InvalidBody(f'output {name!r}: "parameters" must be an object')
-        for unsupported in ("classification", "shared_memory_region"):
-            if unsupported in out_params:
-                raise InvalidTensor(f"output {name!r}: {unsupported} is not supported")
+        if "classification" in out_params:
+            raise Unsupported(f"output {name!r}: classification is not supported")
         binary = out_params.get("binary_data", all_binary)
-        outputs.append(RequestedOutput(name, types[name], binary is True))
+        region = region_ref(out_params, f"output {name!r}")
+        outputs.append(RequestedOutput(name, types[name], binary is True, region))
     return outputs
 
 
@@ -157,6 +163,7 @@ def parse_infer_request(
     output: str = DEFAULT_OUTPUT,
     truncate: bool = False,
     datatype: str | None = None,
+    read_region: ReadRegion | None = None,
 ) -> InferRequest:
     """Validate an inference request for the image or text model; `size` is the model's
     (height, width), `output` the FP32 output's name. Shapes and element counts are checked
@@ -173,8 +180,8 @@ def parse_infer_request(
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidBody('"id" must be a string')
     outputs = _outputs(doc, output)
-    tensor = input_tensor(doc, binary)
-    suffix = "" if tensor.binary is not None else "-json"
+    tensor = input_tensor(doc, binary, read_region)
+    suffix = "-json" if tensor.binary is None else "-shm" if tensor.shared else ""
     request = InferRequest("", outputs, request_id)
     return read_input(
         request,
@@ -234,8 +241,10 @@ def encode_infer_response(
     model_name: str,
     request_id: str | None,
     outputs: Sequence[RequestedOutput],
+    write_region: WriteRegion | None = None,
 ) -> tuple[bytes, dict[str, str], str]:
-    """Body, extra headers and media type. Binary outputs follow the JSON header in order."""
+    """Body, extra headers and media type. Binary outputs follow the JSON header in order;
+    an output in a shared-memory region is written there and answered without data."""
     entries: list[dict[str, Any]] = []
     blobs: list[bytes] = []
     for output in outputs:
@@ -245,7 +254,13 @@ def encode_infer_response(
             "datatype": output.datatype,
             "shape": list(values.shape),
         }
-        if output.binary:
+        if output.region is not None:
+            if write_region is None:
+                raise InvalidTensor("shared memory is not served here")
+            # No data and no parameters, as Triton answers: its C++ client (perf_analyzer)
+            # reads `binary_data_size` from any output that has parameters.
+            write_region(output.region, values.tobytes())
+        elif output.binary:
             blobs.append(values.tobytes())
             entry["parameters"] = {"binary_data_size": len(blobs[-1])}
         else:
@@ -268,7 +283,7 @@ def encode_error(message: str) -> bytes:
 
 
 def server_metadata() -> dict[str, Any]:
-    return {"name": "clipserve", "version": __version__, "extensions": ["binary_tensor_data"]}
+    return {"name": "clipserve", "version": __version__, "extensions": list(EXTENSIONS)}
 
 
 def model_inputs(

@@ -25,6 +25,7 @@ from clipserve.errors import (
     TooManyTexts,
     with_item_index,
 )
+from clipserve.protocol.shm import ReadRegion, region_ref
 from clipserve.protocol.tensors import MAX_DIM, check_count, expected_layout, parse_tensor
 from clipserve.protocol.text import check_length
 from clipserve.protocol.urls import is_url, url_refused
@@ -42,6 +43,7 @@ class InputTensor:
 
     spec: dict[str, Any]  # name, datatype, shape, parameters; `data` when sent in JSON
     binary: memoryview | None  # None: the data is JSON
+    shared: bool = False  # the data came from a shared-memory region
 
     @property
     def datatype(self) -> str:
@@ -57,8 +59,11 @@ class InputTensor:
         return [int(d) for d in shape]
 
 
-def input_tensor(doc: dict[str, Any], binary: memoryview) -> InputTensor:
-    """The request's one input, with the binary data after the JSON header if it names it."""
+def input_tensor(
+    doc: dict[str, Any], binary: memoryview, read_region: ReadRegion | None = None
+) -> InputTensor:
+    """The request's one input, with the binary data after the JSON header if it names it,
+    or the bytes of the shared-memory region it names."""
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
         count = len(inputs) if isinstance(inputs, list) else 0
@@ -69,8 +74,11 @@ def input_tensor(doc: dict[str, Any], binary: memoryview) -> InputTensor:
     params = spec.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidBody('"parameters" of an input must be an object')
-    if "shared_memory_region" in params:
-        raise InvalidTensor("shared memory inputs are not supported; send the data in the body")
+    ref = region_ref(params, f"input {spec['name']!r}")
+    if ref is not None:
+        if read_region is None:
+            raise InvalidTensor("shared memory is not served here; send the data in the body")
+        return InputTensor(spec, memoryview(read_region(ref)), shared=True)
     size = params.get("binary_data_size")
     if size is None:
         if binary:

@@ -140,3 +140,35 @@ def test_a_grpc_client_outlives_a_killed_front_end(tiny_config: Path, tmp_path: 
             assert set(errors) <= {"StatusCode.UNAVAILABLE"}, errors
         finally:
             client.close()
+
+
+def test_a_shared_memory_region_registered_on_one_front_end_serves_on_all(
+    tiny_config: Path, tmp_path: Path
+) -> None:
+    import tritonclient.utils.shared_memory as shm
+
+    grpc_port = free_port()
+    pixels = np.random.default_rng(0).integers(0, 256, (1, 224, 224, 3), dtype=np.uint8)
+    key = f"/cs_test_{os.getpid()}"
+    region = shm.create_shared_memory_region("in", key, pixels.nbytes)
+    try:
+        shm.set_shared_memory_region(region, [pixels])
+        with workers(tiny_config, tmp_path, "--grpc-port", str(grpc_port)) as server:
+            registrar = _client(grpc_port)
+            registrar.register_system_shared_memory("in", key, pixels.nbytes)
+            registrar.close()
+            clients = [_client(grpc_port) for _ in range(16)]
+            try:
+                for client in clients:
+                    inp = tg.InferInput("pixels", list(pixels.shape), "UINT8")
+                    inp.set_shared_memory("in", pixels.nbytes)
+                    got = client.infer(MODEL + "-uint8", [inp]).as_numpy("embedding")
+                    assert got.shape == (1, 32)
+                assert len(_grpc_owners(server, grpc_port)) == 2  # both front ends read it
+                status = clients[0].get_system_shared_memory_status(as_json=True)
+                assert list(status["regions"]) == ["in"]
+            finally:
+                for client in clients:
+                    client.close()
+    finally:
+        shm.destroy_shared_memory_region(region)

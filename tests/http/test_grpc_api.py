@@ -313,3 +313,42 @@ def test_tls_serves_grpc_too(serve: Serve, tmp_path: Any) -> None:
         assert got.as_numpy("embedding").shape == (1, 32)
     with tg.InferenceServerClient(target) as plain, pytest.raises(InferenceServerException):
         plain.is_server_live()
+
+
+def test_model_config_is_tritons_over_both_protocols(
+    server: RunningServer, client: tg.InferenceServerClient
+) -> None:
+    import tritonclient.http as th
+
+    name = model_name(server)
+    over_http = th.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        for model in (name, name + "-uint8", name + "-text"):
+            http_config = over_http.get_model_config(model)
+            grpc_config = client.get_model_config(model).config
+            assert grpc_config.max_batch_size == http_config["max_batch_size"]
+            assert [(i.name, list(i.dims), i.optional) for i in grpc_config.input] == [
+                (i["name"], i["dims"], i["optional"]) for i in http_config["input"]
+            ]
+            assert [o.name for o in grpc_config.output] == [
+                o["name"] for o in http_config["output"]
+            ]
+        image = over_http.get_model_config(name)
+    finally:
+        over_http.close()
+    assert image["max_batch_size"] == 8 and image["platform"] == "clipserve"
+    assert {i["name"]: (i["data_type"], i["dims"], i["optional"]) for i in image["input"]} == {
+        "image": ("TYPE_STRING", [1], True),
+        "pixels": ("TYPE_UINT8", [224, 224, 3], True),
+        "pixel_values": ("TYPE_FP32", [3, 224, 224], True),
+        "pixel_values_fp16": ("TYPE_FP16", [3, 224, 224], True),
+    }
+    assert image["output"][0] == {"name": "embedding", "data_type": "TYPE_FP32", "dims": [32]}
+    batching = server.config.batching
+    assert image["dynamic_batching"] == {
+        "preferred_batch_size": [batching.max_batch_size],
+        "max_queue_delay_microseconds": round(batching.max_queue_delay_ms * 1000),
+    }
+    assert [g["kind"] for g in image["instance_group"]] == ["KIND_CPU"]
+    uint8 = client.get_model_config(name + "-uint8").config
+    assert [(i.name, i.optional) for i in uint8.input] == [("pixels", False)]

@@ -23,10 +23,13 @@ from clipserve.config import LimitsConfig
 from clipserve.errors import UnsupportedMediaType
 from clipserve.http import health
 from clipserve.http.door import inference_route
+from clipserve.http.doors.kserve_shm import shared_memory_routes
 from clipserve.http.names import KServeModel, resolve_model
 from clipserve.http.pipeline import Pipeline, Serving, pipeline_of
+from clipserve.http.shm_regions import SharedMemoryRegions
 from clipserve.http.work import Embedded, Encoded, ImageWork, TextWork, Work
 from clipserve.protocol import kserve as codec
+from clipserve.protocol import triton_model
 from clipserve.protocol.media import JSON
 
 
@@ -57,6 +60,7 @@ class Infer:
     header_length: str | None
     limits: LimitsConfig
     output: str
+    regions: SharedMemoryRegions
     inline: bool = False
 
     @property
@@ -73,7 +77,7 @@ class Infer:
             )
         header_length = request.headers.get(codec.HEADER_LENGTH)
         limits, output = pipeline.config.limits, pipeline.names.output
-        return cls(pipeline.runtime, name, model, header_length, limits, output)
+        return cls(pipeline.runtime, name, model, header_length, limits, output, pipeline.regions)
 
     def parse(self, body: bytes) -> Work[codec.InferRequest]:
         parsed = codec.parse_infer_request(
@@ -86,6 +90,7 @@ class Infer:
             output=self.output,
             truncate=self.limits.truncate_text,
             datatype=self.model.datatype,
+            read_region=self.regions.read,
         )
         work = Work(parsed.protocol, parsed)
         if self.tower == "text":
@@ -100,7 +105,11 @@ class Infer:
         assert completed is not None
         parsed = work.parsed
         content, headers, media = codec.encode_infer_response(
-            completed.embeddings, model_name=self.name, request_id=parsed.id, outputs=parsed.outputs
+            completed.embeddings,
+            model_name=self.name,
+            request_id=parsed.id,
+            outputs=parsed.outputs,
+            write_region=self.regions.write,
         )
         return Encoded(content, media, headers)
 
@@ -132,6 +141,28 @@ async def model_metadata(request: Request) -> Response:
     return _json(codec.model_metadata(name, served, size, dim, output))
 
 
+def serving_of(pipeline: Pipeline[Any]) -> triton_model.Serving:
+    """What Triton's model configuration reports of this server (the resolved config)."""
+    config, runtime = pipeline.config, pipeline.runtime
+    model = runtime.model
+    return triton_model.Serving(
+        size=model.preprocess.size,
+        embed_dim=model.embed_dim,
+        output=pipeline.names.output,
+        max_items=config.limits.max_items_per_request,
+        max_batch_size=config.batching.max_batch_size,
+        max_queue_delay_ms=config.batching.max_queue_delay_ms,
+        devices=runtime.devices,
+        backend=runtime.backend,
+    )
+
+
+async def model_config(request: Request) -> Response:
+    """Triton's model configuration (perf_analyzer reads it first)."""
+    name, model = _model(request)
+    return _json(triton_model.config_json(name, model, serving_of(pipeline_of(request))))
+
+
 async def repository_index(request: Request) -> Response:
     """Triton's model repository index (`POST /v2/repository/index`): tritonclient's
     `get_model_repository_index` and perf_analyzer ask it which models are there."""
@@ -154,11 +185,13 @@ class KServeDoor:
             Route("/v2/health/live", live, methods=["GET"]),
             Route("/v2/health/ready", ready, methods=["GET"]),
             Route("/v2/repository/index", repository_index, methods=["POST"]),
+            *shared_memory_routes(),
             *(
                 route
                 for prefix in (version, model)
                 for route in (
                     Route(prefix + "/ready", model_ready, methods=["GET"]),
+                    Route(prefix + "/config", model_config, methods=["GET"]),
                     inference_route(prefix + "/infer", Infer.of),
                 )
             ),

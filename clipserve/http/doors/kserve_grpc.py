@@ -9,6 +9,7 @@ message is parsed in the decode pool once the request holds its place in the que
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +20,11 @@ from tritonclient.grpc import service_pb2 as pb
 from clipserve import __version__
 from clipserve.batching.tower import TowerKind
 from clipserve.config import LimitsConfig
-from clipserve.errors import InvalidBody, PayloadTooLarge
+from clipserve.errors import InvalidBody, PayloadTooLarge, Unsupported
 from clipserve.http import health
 from clipserve.http.cache_keys import reads_cache
+from clipserve.http.doors.kserve import serving_of
+from clipserve.http.doors.kserve_shm import CUDA_UNSUPPORTED
 from clipserve.http.names import KServeModel, resolve_model
 from clipserve.http.pipeline import Pipeline, Serving
 from clipserve.http.request import BodyBudget, RequestContext
@@ -29,6 +32,7 @@ from clipserve.http.timing import StageTimer
 from clipserve.http.work import Embedded, Encoded, ImageWork, TextWork, Work
 from clipserve.protocol import kserve as codec
 from clipserve.protocol import kserve_grpc as grpc_codec
+from clipserve.protocol import triton_model
 from clipserve.protocol.kserve import InferRequest
 from clipserve.protocol.shm import ReadRegion, WriteRegion
 
@@ -197,6 +201,11 @@ class InferenceServicer:
         model = self.pipeline.runtime.model
         return model.preprocess.size, model.embed_dim, self.pipeline.names.output
 
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any, rid: str) -> Any:
+        name, model = self._model(request.name, request.version)
+        config = triton_model.model_config(name, model, serving_of(self.pipeline))
+        return pb.ModelConfigResponse(config=config)
+
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: Any, rid: str
     ) -> Any:
@@ -207,11 +216,37 @@ class InferenceServicer:
             {"models": codec.repository_index(models)}, pb.RepositoryIndexResponse()
         )
 
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any, rid: str) -> Any:
+        regions = self.pipeline.regions
+        regions.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any, rid: str) -> Any:
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in self.pipeline.regions.status(request.name or None):
+            response.regions[region.name].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(**dataclasses.asdict(region))
+            )
+        return response
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any, rid: str) -> Any:
+        self.pipeline.regions.unregister(request.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any, rid: str) -> Any:
+        raise Unsupported(CUDA_UNSUPPORTED)
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any, rid: str) -> Any:
+        return pb.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any, rid: str) -> Any:
+        return pb.CudaSharedMemoryUnregisterResponse()
+
     async def ModelInfer(self, body: bytes, context: Context, rid: str) -> bytes:
         pipeline = self.pipeline
         name, model = self._model(*peek_model(body))
-        limits, output = pipeline.config.limits, pipeline.names.output
-        call = GrpcInfer(pipeline.runtime, name, model, limits, output)
+        limits, output, regions = pipeline.config.limits, pipeline.names.output, pipeline.regions
+        call = GrpcInfer(pipeline.runtime, name, model, limits, output, regions.read, regions.write)
         ctx, protocol, encoded = await pipeline.run(GrpcExchange(context, rid, body), call)
         pipeline.record(ctx, protocol, len(encoded.content))
         context.set_trailing_metadata((("server-timing", ctx.timer.header()),))
