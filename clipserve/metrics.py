@@ -21,6 +21,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 if TYPE_CHECKING:  # clipserve.batching imports this module
     from clipserve.batching.tower import TowerKind
@@ -167,10 +168,58 @@ class Metrics:
             multiprocess_mode="mostrecent",
         )
 
+        # Triton's model statistics (http/stats.py): per tower, summed over the processes.
+        self.model_requests = Counter(
+            "clipserve_model_requests",
+            "Inference requests answered, by tower and outcome (Triton's success/fail)",
+            ["tower", "outcome"],
+            registry=r,
+        )
+        self.model_request_seconds = Counter(
+            "clipserve_model_request_seconds",
+            "Time of the inference requests answered, by tower and outcome",
+            ["tower", "outcome"],
+            registry=r,
+        )
+        self.model_stage_seconds = Counter(
+            "clipserve_model_stage_seconds",
+            "Time of the successful inference requests per stage, by tower",
+            ["tower", "stage"],
+            registry=r,
+        )
+        self.model_items = Counter(
+            "clipserve_model_items",
+            "Items of the successful inference requests",
+            ["tower"],
+            registry=r,
+        )
+        self.model_last_inference = Gauge(
+            "clipserve_model_last_inference_seconds",
+            "When the tower last answered an inference (Unix time)",
+            ["tower"],
+            registry=r,
+            multiprocess_mode="max",
+        )
+        # Per executed batch size (at most --max-batch-size values per tower).
+        self.batches = Counter(
+            "clipserve_batches",
+            "Batches computed, by tower and size",
+            ["tower", "size"],
+            registry=r,
+        )
+        self.batch_seconds = Counter(
+            "clipserve_batch_seconds",
+            "Device time of the batches computed, by tower and size",
+            ["tower", "size"],
+            registry=r,
+        )
+
     def observe_batch(
         self, device: str, size: int, seconds: float, kind: TowerKind = "image"
     ) -> None:
         self.count_items(size, kind)
+        self.batches.labels(kind, str(size)).inc()
+        self.batch_seconds.labels(kind, str(size)).inc(seconds)
         if kind == "text":
             self.text_batch_size.observe(size)
             return
@@ -193,14 +242,26 @@ class Metrics:
         self._gauges.append(gauges)
         self.registry.register(gauges)
 
-    def render(self) -> bytes:
+    def _all(self) -> CollectorRegistry:
         if not self.multiprocess:
-            return generate_latest(self.registry)
+            return self.registry
         registry = CollectorRegistry()  # every process's files, summed, and this one's gauges
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         for gauges in self._gauges:
             registry.register(gauges)
-        return generate_latest(registry)
+        return registry
+
+    def render(self) -> bytes:
+        return generate_latest(self._all())
+
+    def samples(self, *names: str) -> Iterator[Sample]:
+        """The samples of the metrics `names` (their sample names: `_total` for counters), as
+        /metrics shows them: summed over every process under --workers N."""
+        wanted = set(names)
+        for family in self._all().collect():
+            for sample in family.samples:
+                if sample.name in wanted:
+                    yield sample
 
 
 # ---- access: API keys and their quotas (http/access.py) ------------------------------------

@@ -124,22 +124,49 @@ class Pipeline(Generic[TicketT]):
     ) -> tuple[RequestContext, str, Encoded]:
         """The same steps in the same order for every front door, over HTTP or gRPC: the
         request's context, its metrics label and its encoded answer."""
-        async with self.request(exchange) as ctx:
-            with ctx.timer.measure("receive"):
-                body = await exchange.body(self.config.limits.max_body_bytes, self.body_budget, ctx)
-            ctx.body_bytes = len(body)
-            async with self.admitted(self.towers[call.tower], ctx) as held:
-                with ctx.timer.measure("decode"):  # parsing the body counts as decoding
-                    if call.inline:
-                        work = call.parse(body)
-                    else:
-                        work = await self.in_pool(call.parse, body)
-                work.fresh = exchange.fresh
-                exchange.note_items(work.count("image") + work.count("text"))
-                done = await self.embed(work, ctx, call.tower, held)
-        with ctx.timer.measure("encode"):
-            encoded = call.encode(work, done)
+        t0 = time.perf_counter()
+        try:
+            async with self.request(exchange) as ctx:
+                with ctx.timer.measure("receive"):
+                    limit = self.config.limits.max_body_bytes
+                    body = await exchange.body(limit, self.body_budget, ctx)
+                ctx.body_bytes = len(body)
+                async with self.admitted(self.towers[call.tower], ctx) as held:
+                    with ctx.timer.measure("decode"):  # parsing the body counts as decoding
+                        if call.inline:
+                            work = call.parse(body)
+                        else:
+                            work = await self.in_pool(call.parse, body)
+                    work.fresh = exchange.fresh
+                    exchange.note_items(work.count("image") + work.count("text"))
+                    done = await self.embed(work, ctx, call.tower, held)
+            with ctx.timer.measure("encode"):
+                encoded = call.encode(work, done)
+        except ClipserveError:
+            self._model_outcome(call.tower, "fail", time.perf_counter() - t0)
+            raise
+        self._model_outcome(call.tower, "success", time.perf_counter() - t0, ctx, work)
         return ctx, work.protocol, encoded
+
+    def _model_outcome(
+        self,
+        tower: TowerKind,
+        outcome: str,
+        seconds: float,
+        ctx: RequestContext | None = None,
+        work: Work[Any] | None = None,
+    ) -> None:
+        """Triton's model statistics (http/stats.py): a request answered, its time, and for a
+        success its stages and items."""
+        m = self.metrics
+        m.model_requests.labels(tower, outcome).inc()
+        m.model_request_seconds.labels(tower, outcome).inc(seconds)
+        if ctx is None or work is None:
+            return
+        for stage, spent in ctx.timer.stages.items():
+            m.model_stage_seconds.labels(tower, stage).inc(spent)
+        m.model_items.labels(tower).inc(work.count(tower))
+        m.model_last_inference.labels(tower).set(time.time())
 
     @asynccontextmanager
     async def request(self, exchange: Exchange) -> AsyncIterator[RequestContext]:

@@ -58,6 +58,7 @@ EXTENSIONS = (
     "binary_tensor_data",
     "model_repository",
     "model_configuration",
+    "statistics",
     "system_shared_memory",
 )
 

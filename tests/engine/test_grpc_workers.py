@@ -167,6 +167,11 @@ def test_a_shared_memory_region_registered_on_one_front_end_serves_on_all(
                 assert len(_grpc_owners(server, grpc_port)) == 2  # both front ends read it
                 status = clients[0].get_system_shared_memory_status(as_json=True)
                 assert list(status["regions"]) == ["in"]
+                # Triton's statistics, summed over both front ends (and the engine's batches).
+                stats = clients[0].get_inference_statistics(MODEL + "-uint8").model_stats[0]
+                assert stats.inference_stats.success.count == 16
+                assert stats.inference_count == 16
+                assert sum(b.compute_infer.count for b in stats.batch_stats) >= 1
             finally:
                 for client in clients:
                     client.close()

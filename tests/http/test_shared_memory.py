@@ -136,8 +136,16 @@ def test_refusals_are_client_errors_and_the_server_survives(
         "INVALID_ARGUMENT",
         "exceeds",
     )
-    own = f"/clipserve-{os.getpid()}-x"
-    refused(lambda: http.register_system_shared_memory("r", own, 8), "400", "not a client's")
+    own = Path("/dev/shm") / f"clipserve-{os.getpid()}-x.budget"  # as a slot or budget file
+    own.write_bytes(bytes(64))
+    try:
+        refused(
+            lambda: http.register_system_shared_memory("r", "/" + own.name, 8),
+            "400",
+            "not a client's",
+        )
+    finally:
+        own.unlink()
     link = Path("/dev/shm") / f"link_{os.getpid()}"
     link.symlink_to(f"/dev/shm/in_{os.getpid()}")
     try:
@@ -264,6 +272,7 @@ def test_with_workers_a_region_registered_on_one_front_end_serves_every_one(
             assert status == 400 and b"not registered" in body, body
         client.close()
     finally:
+        served.close_all()
         served.stop()
     assert proc.returncode == 0, log.read_text()[-3000:]
     assert not list(shm_dir().glob(f"clipserve-{proc.pid}-*"))  # the table went with the slots

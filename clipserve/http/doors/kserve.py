@@ -21,7 +21,7 @@ from starlette.routing import BaseRoute, Route
 from clipserve.batching.tower import TowerKind
 from clipserve.config import LimitsConfig
 from clipserve.errors import UnsupportedMediaType
-from clipserve.http import health
+from clipserve.http import health, stats
 from clipserve.http.door import inference_route
 from clipserve.http.doors.kserve_shm import shared_memory_routes
 from clipserve.http.names import KServeModel, resolve_model
@@ -163,6 +163,17 @@ async def model_config(request: Request) -> Response:
     return _json(triton_model.config_json(name, model, serving_of(pipeline_of(request))))
 
 
+async def statistics(request: Request) -> Response:
+    """Triton's statistics: one model's (the path names it) or every model's."""
+    pipeline = pipeline_of(request)
+    if "name" in request.path_params:
+        name, model = _model(request)
+        models = [(name, model.tower)]
+    else:
+        models = [(n, m.tower) for n, m in pipeline.names.kserve_models().items()]
+    return _json(stats.statistics_json(stats.model_statistics(pipeline.metrics, models)))
+
+
 async def repository_index(request: Request) -> Response:
     """Triton's model repository index (`POST /v2/repository/index`): tritonclient's
     `get_model_repository_index` and perf_analyzer ask it which models are there."""
@@ -185,6 +196,7 @@ class KServeDoor:
             Route("/v2/health/live", live, methods=["GET"]),
             Route("/v2/health/ready", ready, methods=["GET"]),
             Route("/v2/repository/index", repository_index, methods=["POST"]),
+            Route("/v2/models/stats", statistics, methods=["GET"]),
             *shared_memory_routes(),
             *(
                 route
@@ -192,6 +204,7 @@ class KServeDoor:
                 for route in (
                     Route(prefix + "/ready", model_ready, methods=["GET"]),
                     Route(prefix + "/config", model_config, methods=["GET"]),
+                    Route(prefix + "/stats", statistics, methods=["GET"]),
                     inference_route(prefix + "/infer", Infer.of),
                 )
             ),

@@ -21,7 +21,7 @@ from clipserve import __version__
 from clipserve.batching.tower import TowerKind
 from clipserve.config import LimitsConfig
 from clipserve.errors import InvalidBody, PayloadTooLarge, Unsupported
-from clipserve.http import health
+from clipserve.http import health, stats
 from clipserve.http.cache_keys import reads_cache
 from clipserve.http.doors.kserve import serving_of
 from clipserve.http.doors.kserve_shm import CUDA_UNSUPPORTED
@@ -205,6 +205,16 @@ class InferenceServicer:
         name, model = self._model(request.name, request.version)
         config = triton_model.model_config(name, model, serving_of(self.pipeline))
         return pb.ModelConfigResponse(config=config)
+
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: Any, rid: str
+    ) -> Any:
+        if request.name:
+            name, model = self._model(request.name, request.version)
+            models = [(name, model.tower)]
+        else:
+            models = [(n, m.tower) for n, m in self.pipeline.names.kserve_models().items()]
+        return stats.model_statistics(self.pipeline.metrics, models)
 
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: Any, rid: str
