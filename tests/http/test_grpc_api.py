@@ -166,6 +166,23 @@ def test_request_id_timing_and_metrics(
     assert count is not None and float(count.group(1)) >= 1
     assert 'clipserve_stage_duration_seconds_count{protocol="grpc-bytes",stage="compute"}' in text
     assert before != text
+    # The request id and the stages come back in the trailing metadata, as HTTP's headers.
+    request = pb.ModelInferRequest(model_name=model_name(server))
+    inp = request.inputs.add(name="image", datatype="BYTES", shape=[1])
+    inp.contents.bytes_contents.append(png_bytes(random_pixels(5)))
+    with grpc.insecure_channel(f"127.0.0.1:{server.app.state.grpc_port}") as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        metadata = (("x-request-id", "grpc-id-8"),)
+        _, call = infer.with_call(request.SerializeToString(), metadata=metadata, timeout=30)
+        trailing = dict(call.trailing_metadata())
+        assert trailing["x-request-id"] == "grpc-id-8"
+        assert {"decode", "queue", "compute"} <= {
+            part.split(";")[0].strip() for part in trailing["server-timing"].split(",")
+        }
+        with pytest.raises(grpc.RpcError) as e:
+            infer(b"\x0a\x03zzz", metadata=(("x-request-id", "bad id"),), timeout=30)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert len(dict(e.value.trailing_metadata())["x-request-id"]) > 8  # a new one: invalid
 
 
 def test_message_over_max_body_bytes_is_resource_exhausted(serve: Serve) -> None:

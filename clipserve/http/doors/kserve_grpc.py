@@ -259,5 +259,6 @@ class InferenceServicer:
         call = GrpcInfer(pipeline.runtime, name, model, limits, output, regions.read, regions.write)
         ctx, protocol, encoded = await pipeline.run(GrpcExchange(context, rid, body), call)
         pipeline.record(ctx, protocol, len(encoded.content))
-        context.set_trailing_metadata((("server-timing", ctx.timer.header()),))
+        timing = ("server-timing", ctx.timer.header())
+        context.set_trailing_metadata((("x-request-id", rid), timing))
         return encoded.content
