@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "dedupe": "find exact and near-duplicate photos in folders (see 'clipserve dedupe --help')",
     "export": "export the image tower to ONNX, check it and compare it with PyTorch",
     "profile": "profile an ONNX Runtime backend: op-type time shares and CPU fallbacks",
+    "doctor": "what the server would run on here with these flags, and why not otherwise",
 }
 
 
@@ -111,6 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from clipserve.inference.commands import export_main
 
             return export_main(config, args["output"])
+        if command == "doctor":
+            from clipserve.inference.doctor import doctor_main
+
+            return doctor_main(config, args["json"])
         if command == "profile":
             from clipserve.inference.commands import profile_main
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 from clipserve.errors import ExecutorFatal
 
@@ -169,3 +170,28 @@ def device_context(device: str) -> contextlib.AbstractContextManager[object]:
     import torch
 
     return torch.cuda.device(index)
+
+
+def nvidia_device_files() -> list[str]:
+    """/dev/nvidia*: a GPU this process could see, whatever torch says."""
+    return sorted(p.name for p in Path("/dev").glob("nvidia*"))
+
+
+def torch_cuda_reason() -> str | None:
+    """Why torch sees no CUDA device (None: it does)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    files = nvidia_device_files()
+    if torch.version.cuda is None:
+        return "this torch is a CPU-only build" + (
+            f" (NVIDIA devices present: {files})" if files else ""
+        )
+    if not files:
+        return "no NVIDIA device files in /dev (no GPU, or not passed to this container)"
+    try:
+        torch.cuda.init()  # type: ignore[no-untyped-call]
+    except Exception as e:  # the driver's own reason: too old, no device, ...
+        return f"CUDA initialisation failed: {str(e).splitlines()[0]}"
+    return "CUDA reports no usable device (CUDA_VISIBLE_DEVICES?)"

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from clipserve.backends.base import Executor, ExecutorSpec, Factory
-from clipserve.backends.device import CPU, cuda_device, is_cuda, simulated_device
+from clipserve.backends.device import (
+    CPU,
+    cuda_device,
+    is_cuda,
+    nvidia_device_files,
+    simulated_device,
+    torch_cuda_reason,
+)
 from clipserve.errors import StartupError
 
 if TYPE_CHECKING:
@@ -101,7 +108,15 @@ def resolve_devices(gpus: str, backend: str) -> list[str]:
     if spec == "cpu":
         return [CPU]
     if spec == "auto":
-        return [cuda_device(0)] if not simulated and cuda_device_count() else [CPU]
+        if simulated or cuda_device_count():
+            return [CPU] if simulated else [cuda_device(0)]
+        if nvidia_device_files():  # a GPU is there, and we would silently not use it
+            log.warning(
+                "--gpus auto: serving on the CPU although NVIDIA devices exist: %s "
+                "(clipserve doctor explains this host)",
+                torch_cuda_reason(),
+            )
+        return [CPU]
     ids = [int(i) for i in spec.split(",")]
     if len(set(ids)) != len(ids):
         raise StartupError(f"--gpus {gpus}: an id is listed twice")

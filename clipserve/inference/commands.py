@@ -86,6 +86,8 @@ def profile_main(config: ServerConfig, batches: int, batch_size: int) -> int:
 def add_subcommand_flags(parser: argparse.ArgumentParser, command: str) -> None:
     if command == "export":
         parser.add_argument("--output", type=Path, help="directory to write (default: the cache)")
+    elif command == "doctor":
+        parser.add_argument("--json", action="store_true", help="one JSON document")
     else:
         parser.add_argument("--batches", type=int, default=5)
         parser.add_argument("--batch-size", type=int, default=8)

@@ -1,0 +1,48 @@
+"""`clipserve doctor` on this (GPU-less) host: the real libraries probed, the server's own device
+and backend decision, and an exit status that says whether these flags can serve."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from clipserve.inference.doctor import captured_stderr, provider_reason
+from tests.helpers import run_clipserve
+
+
+def _findings(stdout: str) -> dict[str, dict[str, str]]:
+    doc = json.loads(stdout)
+    return {f["name"]: f for f in doc["findings"]}
+
+
+def test_doctor_reports_the_host_and_what_would_serve() -> None:
+    run = run_clipserve("doctor", "--json", "--backend", "torch", "--gpus", "cpu")
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = _findings(run.stdout)
+    assert json.loads(run.stdout)["ok"] is True
+    assert found["cpu"]["status"] == "ok" and "would serve with torch" in found["cpu"]["detail"]
+    for name in ("python", "cores", "/dev/shm", "open files", "torch", "onnxruntime", "nvJPEG"):
+        assert name in found, name
+    # This host has no GPU: ONNX Runtime's own reason, not a guess.
+    cuda = found["CUDAExecutionProvider"]["detail"]
+    assert "cannot load" in cuda or "not in this onnxruntime build" in cuda
+    text = run_clipserve("doctor", "--backend", "torch", "--gpus", "cpu")
+    assert text.returncode == 0 and "can serve with these flags" in text.stdout
+
+
+def test_doctor_fails_for_flags_that_cannot_serve() -> None:
+    run = run_clipserve("doctor", "--json", "--backend", "ort-cuda", "--gpus", "cpu")
+    assert run.returncode == 1
+    found = _findings(run.stdout)
+    assert found["cpu"]["status"] == "fail" and "needs a CUDA device" in found["cpu"]["detail"]
+    run = run_clipserve("doctor", "--json", "--gpus", "0")
+    assert run.returncode == 1
+    assert "no CUDA device 0" in _findings(run.stdout)["--gpus 0"]["detail"]
+
+
+def test_provider_probe_and_stderr_capture() -> None:
+    assert provider_reason("CPUExecutionProvider") is None
+    assert provider_reason("NoSuchExecutionProvider") == "not in this onnxruntime build"
+    with captured_stderr() as err:
+        os.write(2, b"written by a C library\n")
+    assert err.getvalue() == "written by a C library\n"
