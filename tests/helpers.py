@@ -29,7 +29,7 @@ import uvicorn
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from clipserve.backends.fake import FakeExecutor
+from clipserve.backends.fake import FakeExecutor, FakeTextExecutor
 from clipserve.batching import Batcher
 from clipserve.config import ServerConfig, load_config
 from clipserve.http.app import create_app
@@ -218,10 +218,11 @@ def running(config: ServerConfig) -> Iterator[RunningServer]:
 
 
 def _forget_timed_batches(server: RunningServer) -> None:
-    """Tests count what their requests ran: the image executors' timed batches after warm-up
-    (`Runtime.warm_costs`) are forgotten once the server is up."""
-    for executor in server.state.runtime.executors:
-        if isinstance(executor, FakeExecutor):
+    """Tests count what their requests ran: the executors' timed batches after warm-up
+    (`Runtime.warm_costs`, `text_warm_costs`) are forgotten once the server is up."""
+    runtime = server.state.runtime
+    for executor in [*runtime.executors, *runtime.text_executors]:
+        if isinstance(executor, FakeExecutor | FakeTextExecutor):
             executor.forget_runs()
 
 

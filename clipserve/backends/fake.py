@@ -234,6 +234,12 @@ class FakeTextExecutor:
         self.attempts: list[int] = []  # sizes of every call to run(), failed ones included
         self.closed = False
 
+    def forget_runs(self) -> None:
+        """Empty `batches` and `attempts`: tests count from here (after start-up's runs)."""
+        with self._lock:
+            self.batches.clear()
+            self.attempts.clear()
+
     def run(self, batch: np.ndarray) -> np.ndarray:
         check_tokens(batch, self.context_length)
         with self._lock:

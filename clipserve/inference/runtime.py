@@ -69,6 +69,7 @@ class Runtime:
     # starts from these, so admission is calibrated from the first request (not after a cold
     # guess refused requests the devices could have served).
     warm_costs: list[list[tuple[int, float]]] = field(default_factory=list)
+    text_warm_costs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     def tokenize(
         self, texts: list[str], *, truncate: bool = True, positions: Sequence[int] | None = None
@@ -173,14 +174,20 @@ def _build_executor(model: LoadedModel, spec: ExecutorSpec, device: str) -> Exec
     return executor
 
 
-def time_batches(executor: Executor, sizes: list[int]) -> list[tuple[int, float]]:
+def time_batches(
+    executor: Executor, sizes: list[int], context_length: int | None = None
+) -> list[tuple[int, float]]:
     """Seconds of one batch of each size, run after the warm-up (which compiled and allocated
     for these sizes): the smallest and the largest give the cost model its line. The same call
-    for every backend, on the executor's own thread."""
+    for every backend, on the executor's own thread; `context_length`: a text executor's
+    token rows instead of images."""
     height, width = executor.info.input_size
     costs = []
     for n in sorted({sizes[0], sizes[-1]}):
-        batch = np.zeros((n, height, width, 3), np.uint8)
+        if context_length is None:
+            batch = np.zeros((n, height, width, 3), np.uint8)
+        else:
+            batch = np.zeros((n, context_length), np.int64)
         t0 = time.perf_counter()
         executor.run(batch)
         costs.append((n, time.perf_counter() - t0))
@@ -256,6 +263,11 @@ def build_runtime(config: ServerConfig) -> Runtime:
         costs = thread.submit(time_batches, executor, sizes).result()
         runtime.warm_costs.append(costs)
         log.info("%s: batches of %s", executor.info.device, _costs_text(costs))
+    context = int(model.context_length)
+    for executor, thread in zip(text_executors, text_threads, strict=True):
+        costs = thread.submit(time_batches, executor, sizes, context).result()
+        runtime.text_warm_costs.append(costs)
+        log.info("%s: text batches of %s", executor.info.device, _costs_text(costs))
     if config.backend.decode == "gpu":
         _add_device_decoders(runtime, devices)
     return runtime

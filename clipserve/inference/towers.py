@@ -51,7 +51,13 @@ class Towers:
             warm_costs=runtime.warm_costs or None,
         )
         text = Batcher(
-            runtime.text_executors, batching, metrics, runtime.text_threads, "text", cache=cache
+            runtime.text_executors,
+            batching,
+            metrics,
+            runtime.text_threads,
+            "text",
+            cache=cache,
+            warm_costs=runtime.text_warm_costs or None,
         )
         return cls(image, text, runtime)
 

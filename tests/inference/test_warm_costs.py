@@ -52,8 +52,12 @@ def test_workers_start_with_a_model_that_predicts_the_measured_batches(runtime: 
         assert worker.cost.seconds(n) == pytest.approx(seconds, rel=0.05)
     # Between the two sizes the line holds: 8 images ~ 20 + 32 ms, not 8 whole batches.
     assert worker.cost.seconds(8) == pytest.approx(LATENCY_S + 8 * PER_ITEM_S, abs=0.1)
-    [text_worker] = towers.text.workers
-    assert not text_worker.cost.ready  # the text tower still learns from its first batches
+    [text_worker] = towers.text.workers  # the text tower too, from its own timed batches
+    assert text_worker.cost.ready
+    [text_costs] = runtime.text_warm_costs
+    assert [n for n, _ in text_costs] == [1, 16]
+    for n, seconds in text_costs:
+        assert text_worker.cost.seconds(n) == pytest.approx(seconds, rel=0.05)
 
 
 def test_no_503_after_start_at_a_load_the_server_can_carry(serve: Serve) -> None:
