@@ -22,6 +22,7 @@ from clipserve.errors import ConfigError
 ENV_PREFIX = "CLIPSERVE_"
 PRECISIONS = ("fp32", "fp16")
 DECODERS = ("cpu", "gpu")
+SELF_CHECKS = ("auto", "strict", "warn", "off")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 LOG_FORMATS = ("text", "json")
 
@@ -58,9 +59,7 @@ class ModelConfig:
 class BackendConfig:
     backend: str = _opt("auto", "executor: auto, torch, fake, ...  (auto logs its choice)")
     gpus: str = _opt("auto", "'auto' (first visible GPU, else CPU), 'cpu', or ids such as 0,1")
-    precision: str | None = _opt(
-        None, "fp32 or fp16; default: the backend's own", choices=PRECISIONS
-    )
+    precision: str | None = _opt(None, "fp32 or fp16; default: the backend's", choices=PRECISIONS)
     threads: int = _opt(0, "intra-op threads for CPU inference; 0 = one per core")
     compile: bool = _opt(False, "torch backends: compile the model with torch.compile")
     batch_buckets: str = _opt(
@@ -69,11 +68,17 @@ class BackendConfig:
     decode: str = _opt(
         "cpu",
         "where JPEGs are decoded: cpu (the decode pool, Pillow) or gpu (in batches on each "
-        "device by nvJPEG, just before the forward pass; on a CPU device, torchvision's decoder)",
+        "device by nvJPEG, just before the forward pass; on a CPU device, torchvision's)",
         choices=DECODERS,
     )
     backend_option: tuple[str, ...] = _opt(
         (), "KEY=VALUE passed to the executor (repeatable; env: comma-separated)"
+    )
+    self_check: str = _opt(
+        "auto",
+        "canary images through the served path against a CPU FP32 reference after warm-up: "
+        "strict (unready below the floor), warn, off; auto: strict on CUDA, warn on CPU",
+        choices=SELF_CHECKS,
     )
 
     def options(self) -> dict[str, str]:
@@ -475,17 +480,14 @@ def _check_names(m: ModelConfig) -> None:
         ("output_name", (m.output_name,)),
     ):
         for name in names:
-            _require(
-                _NAME.fullmatch(name) is not None,
-                option,
-                f"{name[:40]!r}: 1 to 128 visible ASCII characters, no spaces",
-            )
+            problem = f"{name[:40]!r}: 1 to 128 visible ASCII characters, no spaces"
+            _require(_NAME.fullmatch(name) is not None, option, problem)
         _require(len(set(names)) == len(names), option, "a name is given twice")
-    _require(
-        not set(m.served_model_name) & set(m.served_text_model_name),
-        "served_text_model_name",
-        "a name cannot serve both towers",
-    )
+    texts = set(m.served_text_model_name)
+    _require(not set(m.served_model_name) & texts, "served_text_model_name", "serves both towers")
+    # KServe's per-kind image models (http/names.py) take <name>-bytes, -uint8, -fp32, -fp16.
+    kinds = {n + k for n in m.served_model_name for k in ("-bytes", "-uint8", "-fp32", "-fp16")}
+    _require(not kinds & texts, "served_text_model_name", "a per-kind image model has that name")
 
 
 def resolve_workers(requested: int) -> int:

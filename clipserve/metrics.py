@@ -200,6 +200,12 @@ class Metrics:
             registry=r,
             multiprocess_mode="max",
         )
+        self.self_check_min_cosine = Gauge(
+            "clipserve_self_check_min_cosine",
+            "The startup self-check's worst cosine against the CPU FP32 reference",
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
         # Per executed batch size (at most --max-batch-size values per tower).
         self.batches = Counter(
             "clipserve_batches",

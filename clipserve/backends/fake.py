@@ -14,6 +14,8 @@ GPU. Options (`--backend-option KEY=VALUE`):
                    by the image's first value, so benchmarks measure the server, not the fake
   stream           1: a simulated GPU stream for the pipelined worker (--pipeline-depth 2 or
                    more): batches are launched and complete asynchronously, see below
+  perturb          relative noise added to every image embedding (e.g. 0.1: cosine ~0.995 to
+                   the unperturbed one): a backend computing wrong numbers, for the self-check
   fail_text        the text tower's fail_pixel: raise for a batch holding exactly this text
   fatal_text       as fail_text, but raise ExecutorFatal (the text tower's device is lost)
   nan_text         the embedding of exactly this text is all NaN
@@ -80,8 +82,10 @@ class FakeExecutor:
         oom_above: int | None = None,
         compute: bool = True,
         stream: bool = False,
+        perturb: float = 0.0,
     ) -> None:
         self.compute = compute
+        self.perturb = perturb
         self.asynchronous = stream  # a simulated GPU stream: launch/wait overlap batches
         self.spec = spec
         self.latency_s = latency_ms / 1000
@@ -179,6 +183,10 @@ class FakeExecutor:
             out = self._proj[first].copy()
         if self.nan_pixel is not None and batch.dtype == np.uint8:
             out[batch[:, 0, 0, 0] == self.nan_pixel] = np.nan
+        if self.perturb:  # noise of `perturb` times each row's norm, spread over its values
+            scale = self.perturb * np.linalg.norm(out, axis=1, keepdims=True) / out.shape[1] ** 0.5
+            noise = np.random.default_rng(len(out)).standard_normal(out.shape)
+            out = (out + scale * noise).astype(np.float32)
         return out
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
@@ -292,6 +300,7 @@ class FakeOptions:
     oom_above: int | None = None
     compute: bool = True
     stream: bool = False
+    perturb: float = 0.0
     fail_text: str | None = None
     fatal_text: str | None = None
     nan_text: str | None = None
@@ -319,6 +328,7 @@ class FakeOptions:
             oom_above=whole("oom_above"),
             compute=_number(options, "compute") != 0,
             stream=bool(_number(options, "stream")),
+            perturb=_number(options, "perturb") or 0.0,
             fail_text=options.get("fail_text"),
             fatal_text=options.get("fatal_text"),
             nan_text=options.get("nan_text"),
@@ -349,6 +359,7 @@ def create(model: LoadedModel, spec: ExecutorSpec, device: str) -> FakeExecutor:
         oom_above=o.oom_above,
         compute=o.compute,
         stream=o.stream,
+        perturb=o.perturb,
     )
 
 

@@ -45,6 +45,7 @@ class ModelCard(TypedDict):
     # whatever fields BatchingConfig has, so that a new one needs no second list kept in step
     # (mypy types `replace`'s keywords field by field, which a TypedDict copy would have to be).
     batching: dict[str, Any]
+    self_check: dict[str, Any] | None  # the engine's startup self-check (inference/self_check.py)
 
 
 class WorkerRow(TypedDict):

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -75,6 +75,7 @@ class FrontRuntime:
     decoder: ImageDecoder
     workers: int  # front-end processes sharing the host's cores
     image_input: Callable[[bytes], np.ndarray] | None = None
+    self_check: dict[str, Any] | None = None  # the engine's
 
     @classmethod
     def from_card(cls, card: ModelCard, config: ServerConfig, slot_bytes: int) -> FrontRuntime:
@@ -116,6 +117,7 @@ class FrontRuntime:
             decoder=decoder,
             workers=config.http.workers,
             image_input=image_input,
+            self_check=card.get("self_check"),
         )
 
     def tokenize(

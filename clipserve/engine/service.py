@@ -67,6 +67,7 @@ def model_card(runtime: Runtime) -> ModelCard:
         "devices": runtime.devices,
         "precision": runtime.precision,
         "batching": dataclasses.asdict(runtime.config.batching),
+        "self_check": runtime.self_check,
     }
 
 

@@ -188,6 +188,9 @@ def create_app(
             regions = _shm_regions(config, front_end)
             pipeline = Pipeline(rt.config, rt, image, text, metrics, pool, budget, regions)
             app.state.pipeline = pipeline
+            checked = rt.self_check
+            if checked is not None and checked["min_cosine"] is not None:
+                metrics.self_check_min_cosine.set(checked["min_cosine"])
             devices = ", ".join(rt.devices)
             log.info("serving %s with %s on %s", rt.model.identity, rt.backend, devices)
             # What startup built (the model, torch: ~400k objects) lives as long as the server.

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from clipserve.batching.tower import TOWER_KINDS, TowerKind, TowerState
+from clipserve.inference.self_check import blocks_readiness
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,10 @@ def liveness(towers: Mapping[TowerKind, TowerState]) -> Liveness:
     return Liveness(tuple(kind for kind in TOWER_KINDS if not towers[kind].alive))
 
 
-def readiness(towers: Mapping[TowerKind, TowerState]) -> Readiness:
+def readiness(
+    towers: Mapping[TowerKind, TowerState], self_check: Mapping[str, Any] | None = None
+) -> Readiness:
+    """Every worker alive, and the startup self-check not failed under --self-check strict."""
     workers = [w for kind in TOWER_KINDS for w in towers[kind].workers]
     states = {
         (w.device if w.kind == "image" else f"{w.kind}:{w.device}"): (
@@ -45,7 +50,7 @@ def readiness(towers: Mapping[TowerKind, TowerState]) -> Readiness:
         )
         for w in workers
     }
-    return Readiness(states, all(w.alive for w in workers))
+    return Readiness(states, all(w.alive for w in workers) and not blocks_readiness(self_check))
 
 
 def tower_ready(tower: TowerState) -> bool:

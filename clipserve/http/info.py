@@ -29,6 +29,7 @@ def info_card(runtime: Serving, config: ServerConfig, names: ServedNames) -> dic
         "backend": runtime.backend,
         "precision": runtime.precision,
         "devices": runtime.devices,
+        "self_check": runtime.self_check,
         "batching": {
             "max_batch_size": b.max_batch_size,
             "max_queue_size": b.max_queue_size,

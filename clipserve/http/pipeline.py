@@ -27,6 +27,7 @@ from starlette.responses import Response
 from clipserve.batching.tower import CachingTower, Completed, TicketT, Tower, TowerKind
 from clipserve.config import ServerConfig
 from clipserve.errors import ClipserveError, RequestTimeout, with_item_index
+from clipserve.http import health
 from clipserve.http.cache_keys import CacheKeys, Found
 from clipserve.http.exchange import Exchange, HttpExchange
 from clipserve.http.fetch import ImageFetcher
@@ -57,6 +58,9 @@ class Serving(Protocol):
 
     @property
     def precision(self) -> str: ...
+
+    @property
+    def self_check(self) -> dict[str, Any] | None: ...
 
     def tokenize(
         self, texts: list[str], *, truncate: bool = True, positions: Sequence[int] | None = None
@@ -111,6 +115,10 @@ class Pipeline(Generic[TicketT]):
             if config.cache.cache_mb
             else None
         )
+
+    def readiness(self) -> health.Readiness:
+        """Every probe's answer: workers alive and the startup self-check not failed."""
+        return health.readiness(self.towers, self.runtime.self_check)
 
     async def serve(self, request: Request, call: Call[Parsed]) -> Response:
         """Every HTTP inference route: the walk below, then the 200 answer with its stages."""

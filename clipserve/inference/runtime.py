@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures.thread import BrokenThreadPool
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,6 +43,7 @@ from clipserve.config import ServerConfig, resolve_device_defaults, resolve_work
 from clipserve.errors import StartupError
 from clipserve.inference.model import LoadedModel, load_model
 from clipserve.inference.preprocess import ImageDecoder
+from clipserve.inference.self_check import run_self_check
 
 if TYPE_CHECKING:  # imports torch: only with --decode gpu
     from clipserve.inference.gpu_decode import DeviceDecoder
@@ -70,6 +71,8 @@ class Runtime:
     # guess refused requests the devices could have served).
     warm_costs: list[list[tuple[int, float]]] = field(default_factory=list)
     text_warm_costs: list[list[tuple[int, float]]] = field(default_factory=list)
+    spec: ExecutorSpec | None = None  # what the image executors were built from
+    self_check: dict[str, Any] | None = None  # inference/self_check.py: what /info shows
 
     def tokenize(
         self, texts: list[str], *, truncate: bool = True, positions: Sequence[int] | None = None
@@ -270,6 +273,8 @@ def build_runtime(config: ServerConfig) -> Runtime:
         log.info("%s: text batches of %s", executor.info.device, _costs_text(costs))
     if config.backend.decode == "gpu":
         _add_device_decoders(runtime, devices)
+    runtime.spec = spec
+    runtime.self_check = run_self_check(runtime, config.backend.self_check)
     return runtime
 
 

@@ -26,7 +26,7 @@ INFINITY = ("/embeddings", "/models")  # OpenAI's routes without /v1
 
 async def infinity_health(request: Request) -> Response:
     """Infinity's `GET /health`: `{"unix": <time>}` while ready; 503 otherwise."""
-    ready = health.readiness(pipeline_of(request).towers).ok
+    ready = pipeline_of(request).readiness().ok
     body = {"unix": time.time()} if ready else {"unix": time.time(), "ready": False}
     return JSONResponse(body, status_code=200 if ready else 503)
 
@@ -38,7 +38,7 @@ def _nim_health(ok: bool, message: str) -> Response:
 
 async def nim_ready(request: Request) -> Response:
     """NIM's `GET /v1/health/ready`, as /readyz decides it."""
-    ok = health.readiness(pipeline_of(request).towers).ok
+    ok = pipeline_of(request).readiness().ok
     return _nim_health(ok, "Service is ready." if ok else "Service is not ready.")
 
 

@@ -125,7 +125,7 @@ async def live(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     """Like /readyz: true while every worker of both towers is alive."""
-    return _empty(health.readiness(pipeline_of(request).towers).ok)
+    return _empty(pipeline_of(request).readiness().ok)
 
 
 async def model_ready(request: Request) -> Response:

@@ -177,7 +177,7 @@ class InferenceServicer:
         return pb.ServerLiveResponse(live=health.liveness(self.pipeline.towers).ok)
 
     async def ServerReady(self, request: pb.ServerReadyRequest, context: Any, rid: str) -> Any:
-        return pb.ServerReadyResponse(ready=health.readiness(self.pipeline.towers).ok)
+        return pb.ServerReadyResponse(ready=self.pipeline.readiness().ok)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any, rid: str) -> Any:
         _, model = self._model(request.name, request.version)

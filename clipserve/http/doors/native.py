@@ -158,7 +158,7 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    ready = health.readiness(pipeline_of(request).towers)
+    ready = pipeline_of(request).readiness()
     body = {"ready": ready.ok, "workers": ready.workers}
     return JSONResponse(body, status_code=200 if ready.ok else 503)
 
