@@ -4,6 +4,7 @@ preprocessing, timing and how a series of measurements is summarised."""
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import sys
@@ -49,6 +50,14 @@ def machine() -> str:
     m = bench_machine()
     gpus = ", ".join(m["gpus"]) or "no GPU"  # type: ignore[arg-type]
     return f"{m['cpu']}, {m['cores']} cores, {gpus}, {platform.system()}"
+
+
+def write_report(report: dict[str, object], out: Path | None) -> None:
+    """Print a benchmark's JSON, and write it to `out` if given (bench/results/...)."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out is not None:
+        out.write_text(text + "\n")
 
 
 def utc_now() -> str:

@@ -35,7 +35,7 @@ import numpy as np
 import psutil
 from tritonclient.grpc import service_pb2 as pb
 
-from bench.common import machine, rotated, spread, utc_now
+from bench.common import machine, rotated, spread, utc_now, write_report
 from clipserve.loadgen.procs import clipserve_process, free_port, tiny_model
 from clipserve.protocol import kserve
 
@@ -213,10 +213,7 @@ def main() -> None:
         for v in measured
         if v != "http"
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

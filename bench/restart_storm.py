@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import threading
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from bench.common import machine, rotated, spread, utc_now
+from bench.common import machine, rotated, spread, utc_now, write_report
 from clipserve.loadgen.images import jpeg
 from clipserve.loadgen.procs import clipserve_process, ready, tiny_model
 
@@ -134,10 +133,7 @@ def main() -> None:
         ),
         "runs": runs,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import REPO, machine, rotated, spread, utc_now
+from bench.common import REPO, machine, rotated, spread, utc_now, write_report
 from clipserve.loadgen.procs import clipserve_process, free_port, tiny_model
 
 PERF_ANALYZER = REPO / ".perf-analyzer" / "perf_analyzer"
@@ -112,10 +111,7 @@ def main() -> None:
         },
         "runs": runs,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -194,16 +194,21 @@ def test_message_over_max_body_bytes_is_resource_exhausted(serve: Serve) -> None
         assert client.is_server_live()
 
 
-def test_the_grpc_deadline_is_the_requests_deadline(serve: Serve) -> None:
-    """A client deadline the busy device cannot meet is refused at once (as HTTP's
-    X-Request-Timeout-Ms is), and the request never reaches the device."""
-    server = serve(
+def one_at_a_time(serve: Serve) -> RunningServer:
+    """A device of 1.5 s a batch, one image a batch: a second request waits in the queue."""
+    return serve(
         grpc_port=free_port(),
         backend="fake",
         backend_option=["latency_ms=1500"],
         max_batch_size=1,
         max_queue_delay_ms=1,
     )
+
+
+def test_the_grpc_deadline_is_the_requests_deadline(serve: Serve) -> None:
+    """A client deadline the busy device cannot meet is refused at once (as HTTP's
+    X-Request-Timeout-Ms is), and the request never reaches the device."""
+    server = one_at_a_time(serve)
     name = model_name(server)
     images = [png_bytes(random_pixels(i)) for i in range(3)]
     executor = server.state.runtime.executors[0]
@@ -266,13 +271,7 @@ def test_overload_is_unavailable_with_a_retry_hint(serve: Serve) -> None:
 
 
 def test_a_cancelled_call_never_reaches_the_device(serve: Serve) -> None:
-    server = serve(
-        grpc_port=free_port(),
-        backend="fake",
-        backend_option=["latency_ms=1500"],
-        max_batch_size=1,
-        max_queue_delay_ms=1,
-    )
+    server = one_at_a_time(serve)
     name = model_name(server)
     executor = server.state.runtime.executors[0]
     assert isinstance(executor, FakeExecutor)

@@ -49,6 +49,20 @@ def _model(request: Request) -> tuple[str, KServeModel]:
     return resolve_model(pipeline_of(request).names, name, version)
 
 
+def work_of(
+    parsed: codec.InferRequest, tower: TowerKind, runtime: Serving, limits: LimitsConfig
+) -> Work[codec.InferRequest]:
+    """A parsed inference request (HTTP or gRPC) as the pipeline's work: texts tokenised here,
+    in the pool, like the parsing before them."""
+    work = Work(parsed.protocol, parsed)
+    if tower == "text":
+        tokens = runtime.tokenize(parsed.texts, truncate=limits.truncate_text)
+        work.texts = TextWork(parsed.protocol, parsed.texts, tokens)
+    else:
+        work.images = ImageWork(parsed.protocol, parsed.images, tensor=parsed.tensor)
+    return work
+
+
 @dataclass(frozen=True)
 class Infer:
     """`POST /v2/models/{name}[/versions/{version}]/infer`: JSON, or JSON with binary tensor
@@ -92,13 +106,7 @@ class Infer:
             datatype=self.model.datatype,
             read_region=self.regions.read,
         )
-        work = Work(parsed.protocol, parsed)
-        if self.tower == "text":
-            tokens = self.runtime.tokenize(parsed.texts, truncate=self.limits.truncate_text)
-            work.texts = TextWork(parsed.protocol, parsed.texts, tokens)
-        else:
-            work.images = ImageWork(parsed.protocol, parsed.images, tensor=parsed.tensor)
-        return work
+        return work_of(parsed, self.tower, self.runtime, self.limits)
 
     def encode(self, work: Work[codec.InferRequest], done: Embedded) -> Encoded:
         completed = done.texts if self.tower == "text" else done.images

@@ -23,13 +23,13 @@ from clipserve.config import LimitsConfig
 from clipserve.errors import InvalidBody, PayloadTooLarge, Unsupported
 from clipserve.http import health, stats
 from clipserve.http.cache_keys import reads_cache
-from clipserve.http.doors.kserve import serving_of
+from clipserve.http.doors.kserve import serving_of, work_of
 from clipserve.http.doors.kserve_shm import CUDA_UNSUPPORTED
 from clipserve.http.names import KServeModel, resolve_model
 from clipserve.http.pipeline import Pipeline, Serving
 from clipserve.http.request import BodyBudget, RequestContext
 from clipserve.http.timing import StageTimer
-from clipserve.http.work import Embedded, Encoded, ImageWork, TextWork, Work
+from clipserve.http.work import Embedded, Encoded, Work
 from clipserve.protocol import kserve as codec
 from clipserve.protocol import kserve_grpc as grpc_codec
 from clipserve.protocol import triton_model
@@ -142,13 +142,7 @@ class GrpcInfer:
             truncate=self.limits.truncate_text,
             read_region=self.read_region,
         )
-        work = Work(parsed.protocol, parsed)
-        if self.tower == "text":
-            tokens = self.runtime.tokenize(parsed.texts, truncate=self.limits.truncate_text)
-            work.texts = TextWork(parsed.protocol, parsed.texts, tokens)
-        else:
-            work.images = ImageWork(parsed.protocol, parsed.images, tensor=parsed.tensor)
-        return work
+        return work_of(parsed, self.tower, self.runtime, self.limits)
 
     def encode(self, work: Work[InferRequest], done: Embedded) -> Encoded:
         completed = done.texts if self.tower == "text" else done.images
