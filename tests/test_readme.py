@@ -90,6 +90,7 @@ DIRECTIVE = re.compile(r"^\s*<!--\s*readme-test:(.*?)-->\s*$")
 SKIP = re.compile(r"^\s*skip\s*(?:\u2014|\u2013|--|-)\s*(\S.*?)\s*$")
 IMAGE_FILE = re.compile(r"(?<![\w./-])((?:\./)?[\w][\w./-]*\.(?:jpe?g|png|webp))\b")
 DEFAULT_ADDRESS = re.compile(r"\b(127\.0\.0\.1|localhost):8000\b")
+GRPC_ADDRESS = re.compile(r"\b(127\.0\.0\.1|localhost):8001\b")  # gRPC, on its own free port
 SAMPLE = re.compile(r"^\s*#\s*(\{.*)$")
 SEPARATORS = {"|", "||", "&&", ";", "&", "|&", "(", ")"}
 
@@ -499,6 +500,9 @@ def compare_answer(sample_text: str, output: str) -> str | None:
 # ---- running blocks ---------------------------------------------------------------------------
 
 
+GRPC_PORT = free_port()  # the live server's gRPC port (127.0.0.1:8001 in a block)
+
+
 @pytest.fixture(scope="module")
 def live_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """`clipserve --pretrained none` (as `make serve` runs it) on a free port, until the module
@@ -507,6 +511,7 @@ def live_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path_factory.mktemp("readme-server") / "clipserve.log"
     cmd = [str(VENV_BIN / "clipserve"), "--pretrained", "none", "--port", str(port)]
+    cmd += ["--grpc-port", str(GRPC_PORT)]
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -619,6 +624,7 @@ def test_block_runs(block: Block, live_port: int, tmp_path: Path) -> None:
     if block.skip is not None:
         pytest.skip(f"README.md:{block.line}: {block.skip}")
     code = DEFAULT_ADDRESS.sub(rf"\1:{live_port}", block.code)
+    code = GRPC_ADDRESS.sub(rf"\1:{GRPC_PORT}", code)
     write_images(code, tmp_path)
     env = environment(tmp_path)
     if block.is_shell:
