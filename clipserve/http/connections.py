@@ -11,6 +11,7 @@ import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -84,6 +85,54 @@ def ensure_fd_limit(max_connections: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
+def connection_factory(server: uvicorn.Server) -> Callable[[], asyncio.Protocol]:
+    """The protocol factory uvicorn's listeners use, for sockets accepted elsewhere."""
+    protocol: Any = server.config.http_protocol_class  # uvicorn's classes take these keywords
+    factory: Callable[[], asyncio.Protocol] = functools.partial(
+        protocol,
+        config=server.config,
+        server_state=server.server_state,
+        app_state=server.lifespan.state,
+    )
+    return factory
+
+
+def take_queued(server: uvicorn.Server) -> list[socket.socket]:
+    """Every connection waiting in the server's listeners' accept queues, up to its backlog:
+    at shutdown, what a listener's close would reset."""
+    taken: list[socket.socket] = []
+    for listener in (s for server_ in server.servers for s in server_.sockets):
+        # A duplicate: asyncio's wrapper of the listener does not expose accept().
+        with socket.socket(fileno=os.dup(listener.fileno())) as dup:
+            dup.setblocking(False)
+            while len(taken) < server.config.backlog:
+                try:
+                    conn, _ = dup.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as e:  # EMFILE and kin: what is left stays queued
+                    log.warning("draining the accept queue: %s", e)
+                    break
+                conn.setblocking(False)
+                taken.append(conn)
+    return taken
+
+
+async def adopt(server: uvicorn.Server, accepted: list[socket.socket]) -> None:
+    """Serve sockets accepted elsewhere as the server's listener would have: registered
+    connections, which a shutdown that follows treats as any other."""
+    loop = asyncio.get_running_loop()
+    factory = connection_factory(server)
+    results = await asyncio.gather(
+        *(loop.connect_accepted_socket(factory, s, ssl=server.config.ssl) for s in accepted),
+        return_exceptions=True,
+    )
+    failed = [s for s, r in zip(accepted, results, strict=True) if isinstance(r, BaseException)]
+    for sock in failed:  # a TLS handshake that failed, a client gone meanwhile
+        sock.close()
+    log.info("shutdown: %d connections from the accept queue served", len(accepted) - len(failed))
+
+
 class AcceptGate:
     """Stops and restarts accepting on a uvicorn server's listeners. Neither asyncio nor
     uvloop can pause a listener, so pausing closes it and keeps a duplicate of each socket:
@@ -120,13 +169,7 @@ class AcceptGate:
 
     async def _resume(self) -> None:
         config, server = self.server.config, self.server
-        protocol: Any = config.http_protocol_class  # uvicorn's classes take these keywords
-        factory = functools.partial(
-            protocol,
-            config=config,
-            server_state=server.server_state,
-            app_state=server.lifespan.state,
-        )
+        factory = connection_factory(server)
         loop = asyncio.get_running_loop()
         try:
             while self._held and not self.closed:

@@ -35,13 +35,18 @@ from clipserve.errors import StartupError
 from clipserve.http.connections import (
     AcceptGate,
     Refusals,
+    adopt,
     refusal_room,
+    take_queued,
 )
 from clipserve.protocol.responses import encode_error
 
 log = logging.getLogger(__name__)
 
 LINGER_IDLE_S = 1.0  # a lingering client that sends nothing for this long is done
+# At shutdown, how long a connection accepted but not yet read from may take to send its first
+# request (it is answered, then closed); clients send at once after connecting.
+FIRST_REQUEST_GRACE_S = 1.0
 # A chunked body's framing: per chunk, a size line of at most 16 hex digits (the parser's
 # own limit) and two CRLFs; per body, the last chunk and short trailers. More is padding.
 CHUNK_FRAMING = 16 + 4
@@ -118,6 +123,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._linger_deadline = 0.0
         self._linger_bytes = -1  # -1: not lingering; else bytes dropped since the last check
         self._refused = False
+        self._draining = False  # shut down before its first request's headers arrived
         # A refusal waiting for the answer to the request before it; what arrives meanwhile
         # is dropped (the parser has failed).
         self._answer: bytes | None = None
@@ -167,8 +173,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def shutdown(self) -> None:
         if self._linger_bytes >= 0:
             self.transport.close()
+        elif self.cycle is None and not self._refused:
+            # Accepted, no request read yet: its client has likely sent one already, and a
+            # close would lose it. Its first request is answered, then the connection closes.
+            self._draining = True
+            self.loop.call_later(FIRST_REQUEST_GRACE_S, self._drain_expired)
         else:
             super().shutdown()
+
+    def _drain_expired(self) -> None:
+        if self.cycle is None:
+            self.transport.close()
 
     # Reading
 
@@ -225,6 +240,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._header_timer.cancel()
             self._header_timer = None
         HttpToolsProtocol.on_headers_complete(self)
+        if self._draining:
+            self.cycle.keep_alive = False  # the one request a draining server still takes
 
     def on_body(self, body: bytes) -> None:
         self._framing -= len(body)
@@ -417,8 +434,19 @@ class DrainingServer(uvicorn.Server):
             self.gate = protocol.refusals.gate = AcceptGate(self)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # Closing a listener resets every connection in its accept queue: requests their
+        # clients have sent. Those are accepted first, and served (`GuardedHttpProtocol.
+        # shutdown`); only a client that connects in the microseconds between the last accept
+        # and the close is reset (with --workers N, the last front end to close takes the
+        # queue the others left: the socket is shared).
+        queued = [] if self.gate is not None and self.gate.paused else take_queued(self)
+        for server in self.servers:
+            server.close()
+        self.servers = []
         if self.gate is not None:
             self.gate.close()
+        if queued:
+            await adopt(self, queued)
         # The app's other listeners (gRPC) stop taking calls as HTTP does, not after its drain.
         drain = getattr(getattr(self.config.app, "state", None), "drain", None)
         if drain is not None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from clipserve.backends.device import cuda_index
 from clipserve.protocol.kserve import model_inputs, output_types
 
 if TYPE_CHECKING:
@@ -40,8 +41,8 @@ class Serving:
 def _instance_groups(devices: Sequence[str]) -> list[dict[str, Any]]:
     groups = []
     for i, device in enumerate(devices):
-        if device.startswith("cuda:"):
-            gpu = int(device.split(":", 1)[1])
+        gpu = cuda_index(device)
+        if gpu is not None:
             groups.append({"name": f"gpu{gpu}", "kind": "KIND_GPU", "count": 1, "gpus": [gpu]})
         else:
             groups.append(
