@@ -3,6 +3,11 @@
 A batch is padded to the next bucket, replayed, and the padding sliced off. Every graph
 normalises its static uint8 input on the device, so a replay is the whole forward pass with one
 launch. Already-normalised float input runs eagerly on the same stream.
+
+Capture and replay go through the device layer (`torch_device`): built on the CPU (by `build`,
+as the tests do) a graph is replayed eagerly into the same static buffers, so bucketing, the
+static input and output and the pipelined path run here as they do on a GPU. The server itself
+refuses a CPU device (`create`): eager replay is slower than `--backend torch`.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from clipserve.errors import StartupError
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE  # a graph pool's handle (torch's graphs.py does the same)
 
+    from clipserve.backends.torch_device import Graph
     from clipserve.inference.model import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -63,19 +69,18 @@ class CudaGraphExecutor(TorchExecutor):
     ) -> None:
         super().__init__(model, device, precision, backend="cuda-graphs")
         self.buckets = list(buckets)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[Graph, torch.Tensor, torch.Tensor]] = {}
 
-    def _capture(self, n: int, pool: _POOL_HANDLE) -> None:
+    def _capture(self, n: int, pool: _POOL_HANDLE | None) -> None:
         h, w = self.spec.size
         static_in = torch.zeros((n, h, w, 3), dtype=torch.uint8, device=self.device)
-        assert self.stream is not None  # CUDA only (see create)
-        with torch.inference_mode(), torch.cuda.stream(self.stream):
+        with torch.inference_mode(), self.layer.on(self.stream):
             for _ in range(2):  # warm up kernels and the allocator outside the capture
                 self.forward(self.normalise(static_in))
             self.stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-                static_out = self.forward(self.normalise(static_in)).float()
+            graph, static_out = self.layer.capture(
+                lambda: self.forward(self.normalise(static_in)).float(), pool, self.stream
+            )
         self._graphs[n] = (graph, static_in, static_out)
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
@@ -84,11 +89,11 @@ class CudaGraphExecutor(TorchExecutor):
         *current* device, which on a thread that had not selected one would be GPU 0."""
         t0 = time.perf_counter()
         with fatal_device_errors(self.info.device), device_context(self.info.device):
-            pool = torch.cuda.graph_pool_handle()
+            pool = self.layer.graph_pool()
             for n in sorted(self.buckets, reverse=True):
                 self._capture(n, pool)
         took = time.perf_counter() - t0
-        log.info("captured CUDA graphs for buckets %s in %.1f s", self.buckets, took)
+        log.info("captured graphs on %s for buckets %s in %.1f s", self.device, self.buckets, took)
         self.prepare_staging(max(self.buckets))
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,12 +118,11 @@ class CudaGraphExecutor(TorchExecutor):
             fatal_device_errors(self.info.device),  # e.g. an illegal address during replay
             device_context(self.info.device),
             torch.inference_mode(),
-            torch.cuda.stream(self.stream),
+            self.layer.on(self.stream),
         ):
-            host = torch.from_numpy(np.ascontiguousarray(batch)).pin_memory()
-            static_in[:n].copy_(host, non_blocking=True)
+            static_in[:n].copy_(self.layer.stage(batch), non_blocking=True)
             graph.replay()
-            return static_out[:n].cpu().numpy()  # the copy waits for the replay on this stream
+            return self.layer.download(static_out[:n])  # waits for the replay on this stream
 
 
 def create(model: LoadedModel, spec: ExecutorSpec, device: str) -> CudaGraphExecutor:
@@ -126,6 +130,11 @@ def create(model: LoadedModel, spec: ExecutorSpec, device: str) -> CudaGraphExec
         raise StartupError(
             f"--backend cuda-graphs needs a CUDA device; --gpus resolved to {device}"
         )
+    return build(model, spec, device)
+
+
+def build(model: LoadedModel, spec: ExecutorSpec, device: str) -> CudaGraphExecutor:
+    """The executor for `spec` on any device the layer knows, the CPU included (the tests')."""
     precision = spec.precision or default_precision(device)
     buckets = parse_buckets(spec.batch_buckets, spec.max_batch_size)
     return CudaGraphExecutor(model, device, precision, buckets)

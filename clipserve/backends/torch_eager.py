@@ -1,12 +1,17 @@
 """PyTorch eager executor: FP32 anywhere, FP16 on CUDA; normalises uint8 input on its device.
 
-On CUDA it is also asynchronous (`launch`/`wait`, see `AsyncExecutor`) for the pipelined
-worker: a batch is stacked straight into a pinned staging slot, copied to the device on a copy
+It is also asynchronous on CUDA (`launch`/`wait`, see `AsyncExecutor`) for the pipelined
+worker: a batch is stacked straight into a (pinned) staging slot, copied to the device on a copy
 stream while the batch before it computes, normalised, run and L2-normalised on the compute
-stream, copied back into pinned memory, and its completion is a CUDA event. Slots are reused
-only once their batch has been waited for, and `wait` copies the rows out, so nothing a later
-batch writes is ever handed to a caller. `run` stays the synchronous path (the CPU, and the
+stream, copied back into staging memory, and its completion is an event. Slots are reused only
+once their batch has been waited for, and `wait` copies the rows out, so nothing a later batch
+writes is ever handed to a caller. `run` stays the synchronous path (the CPU's worker, and the
 bisection of a failed batch).
+
+Streams, events, staging memory and transfers go through the device layer (`torch_device`), so
+on the CPU the same lines run with the CPU's own synchronous stream: the CPU tests drive the
+slot ring and launch/wait exactly as a GPU does. The CPU's worker still calls `run` only
+(`asynchronous` is false: nothing there would overlap).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from clipserve.backends.base import (
     normalisation_affine,
 )
 from clipserve.backends.device import device_context, fatal_device_errors, is_cpu, is_cuda
+from clipserve.backends.torch_device import DeviceLayer, Event, Stream, device_layer
 from clipserve.config import resolve_workers
 from clipserve.errors import StartupError
 
@@ -78,24 +84,20 @@ def own_stream(device: torch.device) -> torch.cuda.Stream | None:
     return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
 
-def _event(*, blocking: bool = False) -> torch.cuda.Event:
-    return torch.cuda.Event(blocking=blocking)  # type: ignore[no-untyped-call]
-
-
 class _Slot:
-    """One batch's staging: pinned host input and mask, their device copies, pinned output."""
+    """One batch's staging: host input and mask, their device copies, host output."""
 
-    def __init__(self, n: int, size: tuple[int, int], dim: int, device: torch.device) -> None:
+    def __init__(self, n: int, size: tuple[int, int], dim: int, layer: DeviceLayer) -> None:
         h, w = size
-        self.host_in = torch.empty((n, h, w, 3), dtype=torch.uint8, pin_memory=True)
-        self.host_mask = torch.empty((n,), dtype=torch.bool, pin_memory=True)
-        self.host_out = torch.empty((n, dim), dtype=torch.float32, pin_memory=True)
-        self.device_in = torch.empty((n, h, w, 3), dtype=torch.uint8, device=device)
-        self.device_mask = torch.empty((n,), dtype=torch.bool, device=device)
-        self.copied = _event()
+        self.host_in = layer.host_empty((n, h, w, 3), torch.uint8)
+        self.host_mask = layer.host_empty((n,), torch.bool)
+        self.host_out = layer.host_empty((n, dim), torch.float32)
+        self.device_in = torch.empty((n, h, w, 3), dtype=torch.uint8, device=layer.device)
+        self.device_mask = torch.empty((n,), dtype=torch.bool, device=layer.device)
+        self.copied: Event = layer.event()
         # A blocking event: the waiting thread sleeps instead of spinning a core the decode
         # pool could use; it costs tens of microseconds per batch.
-        self.done = _event(blocking=True)
+        self.done: Event = layer.event(blocking=True)
         self.capacity = n
 
 
@@ -124,9 +126,9 @@ class TorchExecutor:
         compile: bool = False,
     ) -> None:
         self.device = torch.device(device)
+        self.layer = device_layer(self.device)
         self.dtype = _DTYPES[precision]
         self.spec = model.preprocess
-        self.is_cuda = self.device.type == "cuda"
         with device_context(device):
             self.visual: Any = copy.deepcopy(model.module.visual).to(self.device, self.dtype)
             self.visual.eval()
@@ -134,10 +136,10 @@ class TorchExecutor:
             self._scale = torch.from_numpy(scale).view(1, 3, 1, 1).to(self.device)
             self._bias = torch.from_numpy(bias).view(1, 3, 1, 1).to(self.device)
             # Image batches never queue behind the text tower or a library's default-stream work.
-            self.stream = own_stream(self.device)
+            self.stream: Stream = self.layer.stream()
             # Host-to-device copies of the next batch overlap this batch's compute.
-            self.copy_stream = own_stream(self.device)
-        self.asynchronous = self.is_cuda
+            self.copy_stream: Stream = self.layer.stream()
+        self.asynchronous = self.layer.asynchronous
         self._free: list[_Slot] = []  # staging slots not holding a batch in flight
         self._slots_lock = threading.Lock()  # launch and wait run on different threads
         self._slot_size = 1  # images per slot: the largest warm-up batch
@@ -148,11 +150,7 @@ class TorchExecutor:
         )
 
     def _to_device(self, batch: np.ndarray) -> torch.Tensor:
-        if not batch.flags.writeable:  # e.g. straight from PIL; torch cannot wrap read-only memory
-            batch = batch.copy()
-        x = torch.from_numpy(batch)
-        if self.is_cuda:
-            x = x.pin_memory().to(self.device, non_blocking=True)
+        x = self.layer.stage(batch).to(self.device, non_blocking=True)  # on the current stream
         return self.normalise(x) if batch.dtype == np.uint8 else x.to(self.dtype)
 
     def normalise(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,7 +170,7 @@ class TorchExecutor:
 
     def launch(self, arrays: Sequence[np.ndarray], normalize: np.ndarray) -> object:
         n = len(arrays)
-        if arrays[0].dtype != np.uint8 or n > self._slot_size or not self.is_cuda:
+        if arrays[0].dtype != np.uint8 or n > self._slot_size:
             batch = np.stack(arrays)  # a rare path: synchronous, normalised on the host
             return _Launched(None, n, l2_normalise_rows(self.run(batch), normalize))
         check_batch(arrays[0][None], self.spec)
@@ -192,7 +190,6 @@ class TorchExecutor:
     def _recycle(self, slot: _Slot) -> None:
         """After a failed launch (out of memory, say): the slot is free once whatever was
         enqueued before the failure is over; on a broken device it is dropped."""
-        assert self.stream is not None and self.copy_stream is not None
         try:
             self.copy_stream.synchronize()
             self.stream.synchronize()
@@ -202,10 +199,9 @@ class TorchExecutor:
 
     def _enqueue(self, slot: _Slot, arrays: Sequence[np.ndarray], normalize: np.ndarray) -> None:
         n = len(arrays)
-        np.stack(arrays, out=slot.host_in.numpy()[:n])  # straight into pinned memory
+        np.stack(arrays, out=slot.host_in.numpy()[:n])  # straight into staging memory
         slot.host_mask.numpy()[:n] = normalize
-        assert self.stream is not None and self.copy_stream is not None
-        with torch.cuda.stream(self.copy_stream):
+        with self.layer.on(self.copy_stream):
             # The slot's previous batch was waited for before it came back; this keeps its
             # device buffers safe even so, in stream order, at no host cost.
             self.copy_stream.wait_event(slot.done)
@@ -213,7 +209,7 @@ class TorchExecutor:
             slot.device_mask[:n].copy_(slot.host_mask[:n], non_blocking=True)
             slot.copied.record(self.copy_stream)
         self.stream.wait_event(slot.copied)
-        with torch.cuda.stream(self.stream):
+        with self.layer.on(self.stream):
             rows = l2_normalise_device(self.embed(slot.device_in[:n]), slot.device_mask[:n])
             slot.host_out[:n].copy_(rows, non_blocking=True)
             slot.done.record(self.stream)
@@ -227,7 +223,7 @@ class TorchExecutor:
         try:
             with fatal_device_errors(self.info.device):
                 slot.done.synchronize()
-            # A copy: the slot's pinned output is rewritten by the next batch that uses it.
+            # A copy: the slot's output is rewritten by the next batch that uses it.
             return slot.host_out[: launched.n].numpy().copy()
         finally:
             self._give_back(slot)
@@ -240,28 +236,24 @@ class TorchExecutor:
         return self._new_slot(self._slot_size)
 
     def _new_slot(self, n: int) -> _Slot:
-        return _Slot(n, self.spec.size, self.info.embed_dim, self.device)
+        return _Slot(n, self.spec.size, self.info.embed_dim, self.layer)
 
     def _give_back(self, slot: _Slot) -> None:
         with self._slots_lock:
-            if slot.capacity == self._slot_size:
+            if slot.capacity == self._slot_size:  # else made before the ring was resized
                 self._free.append(slot)
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         check_batch(batch, self.spec)
-        if not self.is_cuda:
-            with torch.inference_mode():
-                return self.forward(self._to_device(batch)).float().numpy()
         # A fatal CUDA error (illegal address, ECC, device lost) leaves the context unusable:
         # ExecutorFatal stops this worker. Out-of-memory passes through: the batch is split.
         with (
             fatal_device_errors(self.info.device),
             device_context(self.info.device),
             torch.inference_mode(),
-            torch.cuda.stream(self.stream),
+            self.layer.on(self.stream),
         ):
-            out = self.forward(self._to_device(batch)).float()
-            return out.cpu().numpy()  # the copy waits on this stream's work
+            return self.layer.download(self.forward(self._to_device(batch)).float())
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
         h, w = self.spec.size
@@ -270,29 +262,29 @@ class TorchExecutor:
         self.prepare_staging(max(batch_sizes))
 
     def prepare_staging(self, max_batch_size: int, slots: int = 2) -> None:
-        """Pinned staging for batches up to `max_batch_size`, two slots made now (pinning is
-        slow: not on the request path), and one launch through them to warm the kernels."""
-        if not self.is_cuda:
-            return
+        """Staging for batches up to `max_batch_size`, two slots made now (pinning is slow: not
+        on the request path) and, where the worker will launch, one launch through them to
+        warm the kernels."""
         self._slot_size = max_batch_size
         with device_context(self.info.device):
             made = [self._new_slot(max_batch_size) for _ in range(slots)]
         with self._slots_lock:
             self._free = made
+        if not self.asynchronous:  # the worker calls run() only
+            return
         h, w = self.spec.size
         sample = [np.zeros((h, w, 3), dtype=np.uint8)] * max_batch_size
         self.wait(self.launch(sample, np.ones(max_batch_size, dtype=bool)))
 
     def memory(self) -> int | None:
-        return int(torch.cuda.memory_allocated(self.device)) if self.is_cuda else None
+        return self.layer.memory()
 
     def close(self) -> None:
         del self.visual
         with self._slots_lock:
             self._free = []
-        if self.is_cuda:
-            with device_context(self.info.device):
-                torch.cuda.empty_cache()
+        with device_context(self.info.device):
+            self.layer.release_cache()
 
 
 def create(model: LoadedModel, spec: ExecutorSpec, device: str) -> TorchExecutor:
