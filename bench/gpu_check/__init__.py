@@ -1,21 +1,25 @@
 """One command on a CUDA machine: every GPU path, measured, into one JSON.
 
-    python -m bench.gpu_check [--workers 1] [--budget-s 1200]      (or: make gpu-check)
+    python -m bench.gpu_check [--workers 1] [--budget-s S]         (or: make gpu-check)
     python -m bench.gpu_check --allow-cpu --quick                   (no GPU: the tiny model)
 
 Sections, each in its own process with its own time limit (a CUDA error or a hang in one cannot
 take the others down; one that fails or runs out of time is recorded with its log's tail and
 whatever it measured so far, and the run goes on):
   env               versions, the GPU, which optional packages import
-  gpu-tests         `pytest -m gpu` over the test files that hold GPU tests
+  gpu-tests         `pytest -m gpu` over the test files that hold GPU tests; on CUDA the decode
+                    and executor tests again under TORCH_CUDA_SANITIZER=1
   executor:<name>   offline sweep, batch 1..1024, FP16: torch eager, torch.compile, cuda-graphs,
-                    ort-cuda (where onnxruntime-gpu's CUDA provider loads)
-  decoders          nvJPEG (inference/gpu_decode.py) against Pillow per core, 640x480 JPEGs
+                    ort-cuda, ort-trt (where onnxruntime-gpu lists their providers)
+  decoders          nvJPEG (inference/gpu_decode.py) against Pillow per core, 640x480 JPEGs; one
+                    batch over 2^27 pixels (chunked) checked row by row against single decodes;
+                    the corrupt JPEG corpus (tests/inference/corrupt_jpeg.py), each refused
   served:tensor-dN  served uint8-tensor rate through clipserve-bench and the device-busy ratio
                     (Δ clipserve_device_busy_seconds / wall, else Δ batch time / wall), one per
                     --pipeline-depth given where the server has that flag
   served:jpeg       served JPEG rate (with --decode gpu where the server has that flag)
-The whole run keeps within --budget-s (default 20 minutes): a section starts with what is left
+The whole run keeps within --budget-s (default: the sum of the sections' limits, so none is
+skipped for time unless asked): a section starts with what is left
 of its own limit and the budget, and is skipped when too little is left. Writes
 bench/results/gpu-check-<gpu>-<date>.json (cpu-<cpu> without a GPU).
 

@@ -16,7 +16,7 @@ from typing import Any
 import bench.gpu_check
 from bench.common import REPO, utc_now
 from bench.gpu_check.plan import Plan
-from bench.gpu_check.run import child_main, run_all
+from bench.gpu_check.run import child_main, default_budget, run_all
 from clipserve.loadgen.procs import TINY_CONFIG, cpu_model, gpu_models
 
 # Issue 9's targets on one H100: engine FP16 img/s, device busy, served tensors and JPEG img/s.
@@ -37,7 +37,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="open_clip model (default ViT-B-32; --quick: the tiny one)")
     p.add_argument("--workers", type=int, default=1, help="front-end processes for served rates")
     p.add_argument("--pipeline-depths", default="2,3", help="served tensor runs, one per depth")
-    p.add_argument("--budget-s", type=float, default=1200.0, help="the whole run's time budget")
+    p.add_argument(
+        "--budget-s", type=float, help="the whole run's time budget (default: its sections' sum)"
+    )
     p.add_argument("--only", help="comma-separated section name prefixes (env,executor,...)")
     p.add_argument("--out", type=Path, help="the JSON (default bench/results/gpu-check-...)")
     p.add_argument(
@@ -112,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     plan = plan_of(args, cuda)
     started = time.monotonic()
-    results = run_all(plan, args.budget_s, args.only.split(",") if args.only else None)
+    only = args.only.split(",") if args.only else None
+    budget_s = args.budget_s if args.budget_s is not None else default_budget(plan, only)
+    results = run_all(plan, budget_s, only)
     if args.merge:
         results = {**json.loads(args.merge.read_text())["sections"], **results}
     gpus = gpu_models()
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "model": f"{plan.model} (random weights)",
         "workers": args.workers,
-        "budget_s": args.budget_s,
+        "budget_s": budget_s,
         "wall_s": round(time.monotonic() - started, 1),
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}",
         "summary": summary(results),

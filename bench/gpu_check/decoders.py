@@ -65,4 +65,50 @@ def section_decoders(plan: Plan, emit: Emit) -> dict[str, Any]:
     out["device_in_pillow_cores"] = round(
         out["device"]["images_per_s"] / out["pillow"]["images_per_cpu_s"], 2
     )
+    emit(out)
+    out["large_batch"] = large_batch(plan, dev, sync)
+    emit(out)
+    out["corrupt"] = corrupt_corpus(dev)
+    return out
+
+
+def large_batch(plan: Plan, dev: Any, sync: Callable[[], None]) -> dict[str, Any]:
+    """One batch of more than MAX_DECODE_PIXELS (2^27), so it decodes in several chunks (the
+    path whose outputs must outlive their readers); each crop must equal its image decoded
+    alone. Without a GPU (--quick) the chunk bound is lowered instead of the batch grown."""
+    import numpy as np
+
+    from clipserve.inference.gpu_decode import MAX_DECODE_PIXELS, DeviceDecoder, crops_numpy
+    from clipserve.loadgen.images import jpeg
+
+    width, height = (1920, 1080) if plan.cuda else (640, 480)
+    bound = MAX_DECODE_PIXELS if plan.cuda else 4 * width * height
+    count = bound // (width * height) + 8
+    images = [jpeg(width, height, seed=i % 16) for i in range(count)]
+    chunked = DeviceDecoder(dev.host, plan.device, max_decode_pixels=bound)
+    t0 = time.perf_counter()
+    batch = chunked.decode(images)
+    sync()
+    seconds = time.perf_counter() - t0
+    crops = crops_numpy(batch)
+    alone = np.stack([crops_numpy(chunked.decode([data]))[0] for data in images[:16]])
+    return {
+        "images": count,
+        "pixels": count * width * height,
+        "max_decode_pixels": bound,
+        "seconds": round(seconds, 3),
+        "all_decoded": batch.ok == list(range(count)),
+        "rows_equal_alone": bool(np.array_equal(crops[:16], alone)),
+    }
+
+
+def corrupt_corpus(dev: Any) -> dict[str, str]:
+    """Each corrupt JPEG of tests/inference/corrupt_jpeg.py through the device decoder: the
+    error code it gets ("decoded" would be a wrong embedding served)."""
+    from tests.inference.corrupt_jpeg import corpus
+
+    out = {}
+    for name, data in corpus().items():
+        batch = dev.decode([data])
+        out[name] = batch.errors[0].code if 0 in batch.errors else "decoded"
     return out

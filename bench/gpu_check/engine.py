@@ -1,5 +1,5 @@
 """The executor sections: the offline sweep over batch sizes of each FP16 executor this host can
-build (torch eager, torch.compile, cuda-graphs, ort-cuda), the engine_fp16 target's figure."""
+build (torch eager, torch.compile, cuda-graphs, ort-cuda, ort-trt): the engine_fp16 target."""
 
 from __future__ import annotations
 
@@ -17,8 +17,11 @@ def executor_variants(plan: Plan) -> list[str]:
     with contextlib.suppress(ImportError):
         import onnxruntime
 
-        if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        providers = onnxruntime.get_available_providers()
+        if "CUDAExecutionProvider" in providers:
             variants.append("ort-cuda+fp16")
+        if "TensorrtExecutionProvider" in providers:  # fails, recorded, without TensorRT's libs
+            variants.append("ort-trt+fp16")
     return variants
 
 

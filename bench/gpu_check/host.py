@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -85,6 +86,27 @@ def section_gpu_tests(plan: Plan, emit: Emit) -> dict[str, Any]:
         out["failed"] = re.findall(
             r'<testcase [^>]*name="([^"]+)"[^>]*>\s*<(?:failure|error)', text
         )
+    if plan.cuda:  # the decode and pipelined paths again, under PyTorch's stream sanitizer
+        out["sanitizer"] = sanitized_tests(plan)
     if proc.returncode not in (0, 5):  # 5: nothing collected
         raise RuntimeError(f"pytest exited with {proc.returncode}: {out.get('failed')}")
+    if out.get("sanitizer", {}).get("exit_code", 0) not in (0, 5):
+        raise RuntimeError(f"under TORCH_CUDA_SANITIZER=1: {out['sanitizer']['tail'][-600:]}")
     return out
+
+
+SANITIZED = (
+    "tests/inference/test_gpu_decode.py",
+    "tests/inference/test_gpu_decode_safety.py",
+    "tests/backends/test_executors.py",
+)
+
+
+def sanitized_tests(plan: Plan) -> dict[str, Any]:
+    """The decode and executor (launch/wait) GPU tests with TORCH_CUDA_SANITIZER=1: a kernel
+    reading memory another stream writes without synchronisation fails its test."""
+    files = [f for f in SANITIZED if (REPO / f).exists()]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files]
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+    return {"files": files, "exit_code": proc.returncode, "tail": proc.stdout[-1500:]}

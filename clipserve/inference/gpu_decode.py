@@ -20,16 +20,25 @@ One image never fails its batch:
   error. A fatal device error raises `ExecutorFatal` instead (the worker must stop).
 
 On `device="cpu"` the same code runs torchvision's libjpeg-turbo decode, so CPU tests exercise
-every branch. torchvision keeps one nvJPEG decoder per process behind a lock and rebuilds it
-when the device changes: several GPUs decoding in one process take turns. torchvision 0.29
-deprecates its decoders for TorchCodec's; the call is the same there (`decode_jpeg` on a list
-with `device=`), so moving is a one-line change when the GPU images carry TorchCodec.
+every branch. torchvision 0.29 deprecates its decoders for TorchCodec's; the call is the same
+there (`decode_jpeg` on a list with `device=`), so moving is a one-line change.
+
+torchvision's nvJPEG path asks three things of its callers (inference/nvjpeg.py): one CUDA device
+per process, outputs kept from reuse until their readers are done, and corrupt entropy-coded
+data caught beforehand, since the hardware decoder checks headers only and can report
+"success" on a corrupt scan. `check` therefore also runs libjpeg-turbo's entropy decode at 1/8
+scale with its warnings as errors (simplejpeg, strict: about 1 ms per 640x480 image, a fifth of
+the host decoder's work), so a corrupt JPEG gets its 400 at admission. Admission's answer
+travels with the bytes (`EncodedAtAdmission`: a short tagged prefix), so the device thread does
+not parse the header again.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import importlib
+import struct
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +49,8 @@ import torch.nn.functional as F
 from PIL import ExifTags
 
 from clipserve.backends.device import CPU, is_fatal_device_error
-from clipserve.errors import ClipserveError, ExecutorFatal
+from clipserve.errors import ClipserveError, ExecutorFatal, InvalidImage, StartupError
+from clipserve.inference.nvjpeg import PROCESS_OWNER, NvjpegOwner, decode_streams, indexed
 from clipserve.inference.preprocess import (
     MAX_RESIZED_PIXELS,
     ImageDecoder,
@@ -53,6 +63,10 @@ from clipserve.inference.preprocess import (
 MAX_DECODE_PIXELS = 1 << 27
 MAX_RESIZE_PIXELS = 1 << 25
 _DEPRECATION = "The image decoding and encoding capabilities of TorchVision are deprecated"
+# A JPEG checked at admission, as it travels to the device worker: this prefix, then its bytes.
+# The tag's first byte is zero, so no checked image can be mistaken for a raw one or back.
+_TAG = b"\x00CSJ"
+_TAGGED = struct.Struct(">4sBIIB")  # tag, on_device, width, height, orientation
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,20 @@ class DecodedBatch:
     errors: dict[int, ClipserveError] = field(default_factory=dict)
     on_device: int = 0  # images the device's decoder decoded
     on_host: int = 0  # images the host decoder decoded (by format, or after a refusal)
+
+
+def tagged(header: Header, data: bytes) -> bytes:
+    """`data` with admission's header in front (`untagged` reads it back)."""
+    width, height = header.size
+    return _TAGGED.pack(_TAG, header.on_device, width, height, header.orientation) + data
+
+
+def untagged(data: bytes) -> tuple[Header | None, bytes]:
+    """(admission's header, the image's bytes); (None, data) for bytes without the tag."""
+    if not data.startswith(_TAG) or len(data) < _TAGGED.size:
+        return None, data
+    _, on_device, width, height, orientation = _TAGGED.unpack_from(data)
+    return Header(bool(on_device), (width, height), orientation), data[_TAGGED.size :]
 
 
 def _ends_with_eoi(data: bytes) -> bool:
@@ -122,12 +150,23 @@ class DeviceDecoder:
         *,
         max_decode_pixels: int = MAX_DECODE_PIXELS,
         max_resize_pixels: int = MAX_RESIZE_PIXELS,
+        owner: NvjpegOwner = PROCESS_OWNER,
     ) -> None:
         from torchvision.io import ImageReadMode, decode_jpeg
 
+        try:  # by name: mypy's view of it stays pyproject's business
+            simplejpeg = importlib.import_module("simplejpeg")
+        except ImportError:
+            raise StartupError(
+                "--decode gpu needs simplejpeg to refuse corrupt JPEGs before nvJPEG sees them: "
+                "pip install 'clipserve[fastjpeg]'"
+            ) from None
         self.host = host
         self.spec = host.spec
-        self.device = torch.device(device)
+        self.device = indexed(device)
+        owner.claim(self.device)  # before any CUDA work: a second GPU is refused here
+        self._streams = decode_streams(self.device)
+        self._scan = simplejpeg.decode_jpeg
         self.max_decode_pixels = max_decode_pixels
         self.max_resize_pixels = max_resize_pixels
         self._decode_jpeg = decode_jpeg
@@ -137,9 +176,12 @@ class DeviceDecoder:
         self.uint8_resize = self.device.type == "cpu"
 
     def check(self, data: bytes) -> Header:
-        """The host's header checks; raises the ClipserveError the CPU path would."""
+        """The host's header checks, and a JPEG's entropy-coded data; raises the ClipserveError
+        the CPU path would (InvalidImage for corrupt data)."""
         img = self.host.open(data)
         width, height = img.size
+        if img.format == "JPEG":
+            self._check_scan(data, img.mode)
         if img.format != "JPEG" or img.mode not in ("RGB", "L") or not _ends_with_eoi(data):
             return Header(False, (width, height))
         try:
@@ -149,6 +191,17 @@ class DeviceDecoder:
         upright = (height, width) if orientation in (5, 6, 7, 8) else (width, height)
         new_w, new_h = resized_size(*upright, self.spec)
         return Header(new_w * new_h <= MAX_RESIZED_PIXELS, (width, height), orientation)
+
+    def _check_scan(self, data: bytes, mode: str) -> None:
+        """libjpeg-turbo's Huffman decode of every scan at 1/8 scale (the IDCT and colour work
+        nearly vanish), its "corrupt data" warnings raised as errors: truncated scans, bad
+        Huffman codes, stray markers. Same memory as the host's decode of a progressive JPEG
+        (every coefficient), which `ImageDecoder.open`'s pixel limit bounds."""
+        space = "CMYK" if mode == "CMYK" else "GRAY"
+        try:
+            self._scan(data, colorspace=space, min_height=1, min_width=1, min_factor=8)
+        except (ValueError, RuntimeError) as e:
+            raise InvalidImage(f"corrupt JPEG data ({e})") from None
 
     def checked(self, data: bytes) -> Header | ClipserveError:
         try:
@@ -173,8 +226,10 @@ class DeviceDecoder:
         n = len(images)
         th, tw = self.spec.size
         out = self._staging(out, n, th, tw)
-        if headers is None:
-            headers = [self.checked(data) for data in images]
+        if headers is None:  # admission's answers where they came with the bytes
+            found = [untagged(data) for data in images]
+            images = [data for _, data in found]
+            headers = [h or self.checked(data) for h, data in found]
         if len(headers) != n:
             raise ValueError(f"{len(headers)} headers for {n} images")
         errors: dict[int, ClipserveError] = {}
@@ -197,11 +252,13 @@ class DeviceDecoder:
             except ClipserveError as e:
                 errors[i] = e
                 continue
-            out[i].copy_(torch.tensor(crop))  # the host crop is read-only
+            self._upload(crop, out[i])
             on_host += 1
         ok = [i for i in range(n) if i not in errors]
-        if errors and ok:  # compact: rows 0..len(ok)-1 in input order
-            out[: len(ok)] = out.index_select(0, torch.tensor(ok, device=out.device))
+        for row, i in enumerate(ok):  # compact: rows 0..len(ok)-1 in input order
+            if row != i:  # rows only move up: each source is read before it is overwritten
+                out[row].copy_(out[i])
+        self._streams.done()
         return DecodedBatch(
             pixels=out[: len(ok)],
             ok=ok,
@@ -209,6 +266,14 @@ class DeviceDecoder:
             on_device=len(device_items) - len(refused),
             on_host=on_host,
         )
+
+    def _upload(self, crop: np.ndarray, row: torch.Tensor) -> None:
+        """A host crop into its row; on CUDA through pinned memory, so the copy queues on the
+        stream instead of waiting for it (a pageable copy synchronises the stream)."""
+        host = torch.tensor(crop)  # a copy: the host crop is read-only
+        if row.is_cuda:
+            host = host.pin_memory()
+        row.copy_(host, non_blocking=row.is_cuda)
 
     def _staging(self, out: torch.Tensor | None, n: int, th: int, tw: int) -> torch.Tensor:
         if out is None:
@@ -252,8 +317,9 @@ class DeviceDecoder:
         # A copy per image: torch wants a writable buffer and nvJPEG reads it asynchronously.
         encoded = [torch.frombuffer(bytearray(images[i]), dtype=torch.uint8) for i in chunk]
         try:
-            with _quiet_deprecation():
+            with _quiet_deprecation(), self._streams.decoding():
                 decoded = self._decode_jpeg(encoded, mode=self._rgb, device=self.device)
+            self._streams.hand_over(decoded)
         except RuntimeError as exc:  # a refused image, or out of memory: halve and retry
             if is_fatal_device_error(exc):
                 raise ExecutorFatal(f"{self.device}: JPEG decode: {exc}") from exc
@@ -290,8 +356,7 @@ class DeviceDecoder:
                     batch = self._resize(batch, new_h, new_w)[..., top:bottom, left:right]
                 else:
                     batch = batch[..., top:bottom, left:right]
-                rows = torch.tensor([i for i, _ in part], device=out.device)
-                out[rows] = batch.permute(0, 2, 3, 1)
+                _write_rows(out, [i for i, _ in part], batch.permute(0, 2, 3, 1))
 
     def _resize(self, batch: torch.Tensor, new_h: int, new_w: int) -> torch.Tensor:
         """Pillow's resize: a horizontal pass, then a vertical one, each rounded to 8 bits (one
@@ -310,16 +375,27 @@ class DeviceDecoder:
         return x.to(torch.uint8)
 
 
+def _write_rows(out: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
+    """`out[rows] = values` for ascending `rows`, one slice copy per run of consecutive rows:
+    no index tensor to upload (a blocking host-to-device copy per group)."""
+    start = 0
+    for k in range(1, len(rows) + 1):
+        if k == len(rows) or rows[k] != rows[k - 1] + 1:
+            out[rows[start] : rows[k - 1] + 1].copy_(values[start:k])
+            start = k
+
+
 def crops_numpy(batch: DecodedBatch) -> np.ndarray:
     """The batch's crops as host uint8 NHWC (tests, benchmarks, and executors that take numpy)."""
     return np.ascontiguousarray(batch.pixels.cpu().numpy())
 
 
 class EncodedAtAdmission:
-    """`--decode gpu` at admission, in the decode pool: the host's header checks only. A JPEG
-    the device will decode passes through as its bytes (a 1-D uint8 array: the batcher keeps
-    such items together and the device worker decodes them as a batch); anything else (PNG,
-    WebP, CMYK, a file over `max_bytes`) is decoded here as with `--decode cpu`."""
+    """`--decode gpu` at admission, in the decode pool: the host's checks only (header and
+    entropy-coded data). A JPEG the device will decode passes through as its bytes behind the
+    header's tag (a 1-D uint8 array: the batcher keeps such items together and the device worker
+    decodes them as a batch, without parsing the header again); anything else (PNG, WebP, CMYK,
+    a file over `max_bytes`) is decoded here as with `--decode cpu`."""
 
     def __init__(self, host: ImageDecoder, max_bytes: int | None = None) -> None:
         self.host = host
@@ -328,6 +404,7 @@ class EncodedAtAdmission:
 
     def __call__(self, data: bytes) -> np.ndarray:
         header = self._checker.check(data)  # the CPU path's ClipserveError, if any
-        if header.on_device and (self.max_bytes is None or len(data) <= self.max_bytes):
-            return np.frombuffer(data, np.uint8)
+        size = len(data) + _TAGGED.size
+        if header.on_device and (self.max_bytes is None or size <= self.max_bytes):
+            return np.frombuffer(tagged(header, data), np.uint8)
         return self.host(data)

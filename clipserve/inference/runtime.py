@@ -239,6 +239,8 @@ def _build_text_executor(model: LoadedModel, spec: ExecutorSpec, device: str) ->
 def build_runtime(config: ServerConfig) -> Runtime:
     """Load, build and warm up everything; raises StartupError with a one-line reason."""
     devices = resolve_devices(config.backend.gpus, config.backend.backend)
+    if config.backend.decode == "gpu":
+        _check_decode_devices(devices)  # before minutes of loading and warm-up
     config = resolve_device_defaults(config, devices)  # batch and queue sizes for the devices
     threads = [device_thread(d) for d in devices]
     text_threads = [text_thread(d, t) for d, t in zip(devices, threads, strict=True)]
@@ -280,6 +282,16 @@ def build_runtime(config: ServerConfig) -> Runtime:
 
 def _costs_text(costs: list[tuple[int, float]]) -> str:
     return ", ".join(f"{n} in {seconds * 1000:.1f} ms" for n, seconds in costs)
+
+
+def _check_decode_devices(devices: list[str]) -> None:
+    """--decode gpu: nvJPEG serves one CUDA device per process (inference/nvjpeg.py); the
+    same claims the decoders will make, on an owner of their own."""
+    from clipserve.inference.nvjpeg import NvjpegOwner, indexed
+
+    owner = NvjpegOwner()
+    for device in devices:
+        owner.claim(indexed(torch_device_name(device)))
 
 
 def _add_device_decoders(runtime: Runtime, devices: list[str]) -> None:
