@@ -1,5 +1,9 @@
-"""README.md's examples, checked against the code and run against a live server, so that they
-cannot drift.
+"""The examples of README.md and docs/*.md, checked against the code and run against a live
+server, so that they cannot drift; and every relative link between those files, checked to
+resolve.
+
+**Documents.** README.md and every docs/*.md are read the same way: the rules below hold in
+each, and every message names the file and line (`docs/api.md:80: ...`).
 
 **Blocks.** A fenced block whose info string (its first word) is python, sh, bash, shell or
 console is an example; one with no info string, or one in NOT_CODE (text, json, ...), is not
@@ -32,7 +36,7 @@ names (`*.jpg`, `*.jpeg`, `*.png`, `*.webp`: a synthesised picture written by Pi
 blocks run under `bash -euo pipefail` with the venv's bin first on PATH and a curlrc of
 `fail-with-body`, so an HTTP error fails the block like any failing command; python blocks run
 with the venv's python. Each must exit 0 within BLOCK_TIMEOUT_S; a failure shows the block as
-run, its output and, for a shell block, the README line of the command that failed (a bash DEBUG
+run, its output and, for a shell block, the file and line of the command that failed (a bash DEBUG
 trap marks each command's start in the output, which is also how each command's own answer is
 found for the sample answers).
 
@@ -48,6 +52,11 @@ command's sample answer, e.g.
 - a top-level scalar value (string, number, true, false, null) must equal the real one, unless
   it is the string `"..."`; a top-level array or object must be one in the answer too, its
   contents not compared.
+
+**Links** (`test_relative_links_resolve`): every Markdown link or image outside code, in every
+document, whose target has no scheme must name an existing file or folder relative to its
+document, and a `#fragment` must be the anchor GitHub makes of a heading of the target (or of
+the document itself, for `#fragment` alone).
 """
 
 from __future__ import annotations
@@ -79,6 +88,7 @@ from tests.helpers import until
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 MAKEFILE = ROOT / "Makefile"
 PYPROJECT = ROOT / "pyproject.toml"
 VENV_BIN = Path(sys.executable).parent  # .venv/bin: the environment running these tests
@@ -99,12 +109,13 @@ BLOCK_TIMEOUT_S = 120
 MARK = "\x1e"  # a bash DEBUG trap writes MARK + the script line before each command
 
 
-# ---- the README's blocks ----------------------------------------------------------------------
+# ---- the documents' blocks ----------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    line: int  # README line of the opening fence
+    doc: str  # the document, relative to the checkout: README.md, docs/api.md
+    line: int  # document line of the opening fence
     info: str  # the info string's first word, lower case
     code: str
     skip: str | None = None  # the reason, when a skip directive precedes the block
@@ -112,7 +123,7 @@ class Block:
 
     @property
     def first(self) -> int:
-        """README line of the block's first line of code."""
+        """Document line of the block's first line of code."""
         return self.line + 1
 
     @property
@@ -120,11 +131,11 @@ class Block:
         return self.info in SHELL_LANGS
 
     def where(self, offset: int = 0) -> str:
-        return f"README.md:{self.first + offset}"
+        return f"{self.doc}:{self.first + offset}"
 
 
-def parse_readme(text: str) -> tuple[list[Block], list[str]]:
-    """Every fenced block, and the document's problems (unknown info strings, stray
+def parse_document(text: str, doc: str) -> tuple[list[Block], list[str]]:
+    """Every fenced block of the document `doc`, and its problems (unknown info strings, stray
     directives, an unclosed fence)."""
     lines = text.splitlines()
     blocks: list[Block] = []
@@ -136,14 +147,14 @@ def parse_readme(text: str) -> tuple[list[Block], list[str]]:
         if fence is None:
             if match := DIRECTIVE.match(lines[i]):
                 if pending is not None:
-                    problems.append(f"README.md:{pending[0]}: readme-test comment before no block")
+                    problems.append(f"{doc}:{pending[0]}: readme-test comment before no block")
                 pending = (i + 1, match.group(1))
             elif "readme-test" in lines[i]:
                 problems.append(
-                    f"README.md:{i + 1}: not a one-line '<!-- readme-test: skip — REASON -->'"
+                    f"{doc}:{i + 1}: not a one-line '<!-- readme-test: skip — REASON -->'"
                 )
             elif lines[i].strip() and pending is not None:
-                problems.append(f"README.md:{pending[0]}: readme-test comment before no block")
+                problems.append(f"{doc}:{pending[0]}: readme-test comment before no block")
                 pending = None
             i += 1
             continue
@@ -151,7 +162,7 @@ def parse_readme(text: str) -> tuple[list[Block], list[str]]:
         closing = re.compile(rf"^\s*{re.escape(marks[0])}{{{len(marks)},}}\s*$")
         end = next((j for j in range(i + 1, len(lines)) if closing.match(lines[j])), None)
         if end is None:
-            problems.append(f"README.md:{i + 1}: unclosed fence")
+            problems.append(f"{doc}:{i + 1}: unclosed fence")
             break
         code = "\n".join(
             line[indent:] if line[:indent].isspace() else line for line in lines[i + 1 : end]
@@ -161,31 +172,41 @@ def parse_readme(text: str) -> tuple[list[Block], list[str]]:
             directive = pending[1]
             if info not in EXAMPLE_LANGS:
                 problems.append(
-                    f"README.md:{pending[0]}: readme-test comment before a non-example block"
+                    f"{doc}:{pending[0]}: readme-test comment before a non-example block"
                 )
             elif match := SKIP.match(directive):
                 skip = match.group(1)
             else:
                 problem = (
-                    f"README.md:{pending[0]}: {directive.strip()!r}: expected "
+                    f"{doc}:{pending[0]}: {directive.strip()!r}: expected "
                     "'<!-- readme-test: skip — REASON -->' with a non-empty reason"
                 )
             pending = None
         if info not in EXAMPLE_LANGS | NOT_CODE:
             problems.append(
-                f"README.md:{i + 1}: block language {info!r} is neither an example language "
+                f"{doc}:{i + 1}: block language {info!r} is neither an example language "
                 f"({', '.join(sorted(EXAMPLE_LANGS))}) nor in NOT_CODE: say which in {__name__}"
             )
-        blocks.append(Block(i + 1, info, code, skip, problem))
+        blocks.append(Block(doc, i + 1, info, code, skip, problem))
         i = end + 1
     if pending is not None:
-        problems.append(f"README.md:{pending[0]}: readme-test comment before no block")
+        problems.append(f"{doc}:{pending[0]}: readme-test comment before no block")
     return blocks, problems
 
 
-BLOCKS, DOCUMENT_PROBLEMS = parse_readme(README.read_text(encoding="utf-8"))
+def relative(path: Path) -> str:
+    """`path` as messages name it: relative to the checkout where it lies inside it."""
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+
+
+BLOCKS: list[Block] = []
+DOCUMENT_PROBLEMS: list[str] = []
+for _path in DOCUMENTS:
+    _blocks, _problems = parse_document(_path.read_text(encoding="utf-8"), relative(_path))
+    BLOCKS += _blocks
+    DOCUMENT_PROBLEMS += _problems
 EXAMPLES = [b for b in BLOCKS if b.info in EXAMPLE_LANGS]
-EXAMPLE_PARAMS = [pytest.param(b, id=f"line{b.line}-{b.info}") for b in EXAMPLES]
+EXAMPLE_PARAMS = [pytest.param(b, id=f"{Path(b.doc).stem}-line{b.line}-{b.info}") for b in EXAMPLES]
 
 
 # ---- shell commands ---------------------------------------------------------------------------
@@ -193,8 +214,8 @@ EXAMPLE_PARAMS = [pytest.param(b, id=f"line{b.line}-{b.info}") for b in EXAMPLES
 
 @dataclasses.dataclass
 class Command:
-    line: int  # README line where it starts
-    end: int  # README line where it ends (backslash continuations)
+    line: int  # document line where it starts
+    end: int  # document line where it ends (backslash continuations)
     text: str
     samples: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (line, JSON)
 
@@ -428,7 +449,7 @@ def static_problems(block: Block) -> list[str]:
         try:
             compile(block.code, block.where(), "exec")
         except SyntaxError as e:
-            return [f"README.md:{block.line + (e.lineno or 1)}: does not compile: {e.msg}"]
+            return [f"{block.doc}:{block.line + (e.lineno or 1)}: does not compile: {e.msg}"]
         return []
     problems = []
     for command in shell_commands(block):
@@ -436,12 +457,12 @@ def static_problems(block: Block) -> list[str]:
             try:
                 check_command(words)
             except AssertionError as e:
-                problems.append(f"README.md:{command.line}: `{shlex.join(words)}`: {e}")
+                problems.append(f"{block.doc}:{command.line}: `{shlex.join(words)}`: {e}")
         for line, sample in command.samples:
             try:
                 read_sample(sample)
             except AssertionError as e:
-                problems.append(f"README.md:{line}: {e}")
+                problems.append(f"{block.doc}:{line}: {e}")
     return problems
 
 
@@ -589,10 +610,79 @@ def report(out: str, err: str) -> str:
 
 
 def outputs_by_line(out: str, first: int) -> list[tuple[int, str]]:
-    """(README line, output) of each command, from the DEBUG trap's marks; script line 2 is the
+    """(document line, output) of each command, from the DEBUG trap's marks; script line 2 is the
     block's first line."""
     parts = re.split(rf"\n{MARK}(\d+)\n", "\n" + out)
     return [(first + int(parts[i]) - 2, parts[i + 1]) for i in range(1, len(parts) - 1, 2)]
+
+
+# ---- links ------------------------------------------------------------------------------------
+
+FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)(?:\s+#+)?\s*$")
+CODE_SPAN = re.compile(r"(`+).+?\1")
+LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def prose_lines(text: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) of the document outside fenced blocks."""
+    fence = ""
+    for number, line in enumerate(text.splitlines(), 1):
+        if match := FENCE.match(line):
+            marks = match.group(1)
+            if not fence:
+                fence = marks
+            elif (
+                marks[0] == fence[0] and len(marks) >= len(fence) and not line.strip(marks[0] + " ")
+            ):
+                fence = ""
+            continue
+        if not fence:
+            yield number, line
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but `-` and `_` dropped,
+    spaces made hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    """Every heading's anchor; a repeated one gets -1, -2, ... as on GitHub."""
+    seen: dict[str, int] = {}
+    found: set[str] = set()
+    for _, line in prose_lines(text):
+        if match := HEADING.match(line):
+            base = slug(match.group(2))
+            found.add(f"{base}-{seen[base]}" if base in seen else base)
+            seen[base] = seen.get(base, 0) + 1
+    return found
+
+
+def links(text: str) -> Iterator[tuple[int, str]]:
+    """(line number, target) of every inline link and image outside code."""
+    for number, line in prose_lines(text):
+        for match in LINK.finditer(CODE_SPAN.sub("", line)):
+            yield number, match.group(1)
+
+
+def link_problem(doc: Path, target: str) -> str | None:
+    """None when a relative link from `doc` resolves, else why not; links with a scheme (https:,
+    mailto:) are not checked."""
+    if SCHEME.match(target) or target.startswith("//"):
+        return None
+    path, _, fragment = target.partition("#")
+    file = (doc.parent / path).resolve() if path else doc
+    if not file.exists():
+        return f"{path}: no such file or folder"
+    if not fragment:
+        return None
+    if file.suffix != ".md":
+        return f"#{fragment}: {relative(file)} is not Markdown, so it has no headings"
+    if fragment not in anchors(file.read_text(encoding="utf-8")):
+        return f"#{fragment}: no such heading in {relative(file)}"
+    return None
 
 
 # ---- the tests --------------------------------------------------------------------------------
@@ -603,7 +693,9 @@ def test_blocks_are_known() -> None:
     precedes an example, and there is something to run."""
     problems = DOCUMENT_PROBLEMS + [b.problem for b in BLOCKS if b.problem]
     assert not problems, "\n".join(problems)
-    assert any(b.skip is None for b in EXAMPLES), "README.md: no example is run"
+    assert any(b.skip is None for b in EXAMPLES if b.doc == "README.md"), (
+        "README.md: no example is run"
+    )
 
 
 @pytest.mark.parametrize("block", EXAMPLE_PARAMS)
@@ -622,7 +714,7 @@ def test_block_runs(block: Block, live_port: int, tmp_path: Path) -> None:
     if block.problem:
         pytest.fail(block.problem)
     if block.skip is not None:
-        pytest.skip(f"README.md:{block.line}: {block.skip}")
+        pytest.skip(f"{block.doc}:{block.line}: {block.skip}")
     code = DEFAULT_ADDRESS.sub(rf"\1:{live_port}", block.code)
     code = GRPC_ADDRESS.sub(rf"\1:{GRPC_PORT}", code)
     write_images(code, tmp_path)
@@ -635,18 +727,53 @@ def test_block_runs(block: Block, live_port: int, tmp_path: Path) -> None:
         trace = f'trap \'printf "\\n{MARK}%s\\n" "$LINENO"\' DEBUG'
         cmd = ["bash", "-euo", "pipefail", "-c", trace + "\n" + code]
     else:
-        script = tmp_path / f"readme_line{block.line}.py"
+        script = tmp_path / f"{Path(block.doc).stem}_line{block.line}.py"
         script.write_text(code)
         cmd = [str(VENV_BIN / "python"), str(script)]
-    what = f"README.md:{block.line} ({block.info} block) as run:\n{code}"
+    what = f"{block.doc}:{block.line} ({block.info} block) as run:\n{code}"
     rc, out, err = run_bounded(cmd, tmp_path, env, what)
     outputs = outputs_by_line(out, block.first) if block.is_shell else []
-    at = f" at README.md:{outputs[-1][0]}" if outputs else ""
+    at = f" at {block.doc}:{outputs[-1][0]}" if outputs else ""
     assert rc == 0, f"{what}\nexit status {rc}{at}\n{report(out, err)}"
     mismatches = []
     for command in shell_commands(block):
         answer = "".join(o for line, o in outputs if command.line <= line <= command.end)
         for line, sample in command.samples:
             if diff := compare_answer(sample, answer.strip()):
-                mismatches.append(f"README.md:{line}: sample answer of line {command.line}: {diff}")
+                mismatches.append(
+                    f"{block.doc}:{line}: sample answer of line {command.line}: {diff}"
+                )
     assert not mismatches, "\n".join(mismatches)
+
+
+def test_relative_links_resolve() -> None:
+    """Every relative link of README.md and docs/*.md names a file that exists and, with a
+    #fragment, a heading of it."""
+    problems = [
+        f"{relative(doc)}:{line}: ({target}) {problem}"
+        for doc in DOCUMENTS
+        for line, target in links(doc.read_text(encoding="utf-8"))
+        if (problem := link_problem(doc, target))
+    ]
+    assert not problems, "\n".join(problems)
+    assert sum(1 for doc in DOCUMENTS for _ in links(doc.read_text(encoding="utf-8"))) > 50
+
+
+def test_the_link_checker_catches_broken_links(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "# Intro\n## `--workers N`: faults\n## Intro\n```\n## Not a heading\n[x](#y)\n```\n"
+        "See [a](#intro-1), [b](#--workers-n-faults), [c](missing.md), [d](#nope), "
+        "[e](doc.md#not-a-heading), `[f](gone.md)`, [g](https://example.org/x#y).\n"
+    )
+    found = {
+        target: link_problem(doc, target) for _, target in links(doc.read_text(encoding="utf-8"))
+    }
+    assert found == {
+        "#intro-1": None,
+        "#--workers-n-faults": None,
+        "missing.md": "missing.md: no such file or folder",
+        "#nope": f"#nope: no such heading in {relative(doc)}",
+        "doc.md#not-a-heading": f"#not-a-heading: no such heading in {relative(doc)}",
+        "https://example.org/x#y": None,
+    }

@@ -175,7 +175,7 @@ class Supervisor:
         is taken. Bound, not listening: the front ends' uvicorn listens, with its backlog,
         once an app has started; until then a client is refused rather than queued. The gRPC
         port is held the same way for life, with SO_REUSEPORT, so each front end's gRPC server
-        binds it beside the others (README: what that costs when a front end dies)."""
+        binds it beside the others (docs/api.md: what that costs when a front end dies)."""
         http = self.config.http
         self.listener = bind_port(http.host, http.port, "--host/--port")
         if http.grpc_port:

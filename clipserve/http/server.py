@@ -4,7 +4,7 @@ uvicorn has settings for the keep-alive timeout (used) and, only in its slower h
 header size cap. It has nothing for a header cap under httptools, a connection that never
 sends (or drips) its headers, a cap on open connections that refuses the excess fast, or a
 lingering close. `GuardedHttpProtocol` adds those to `HttpToolsProtocol`; the fast path gains
-a few attribute checks per request (README, design notes). The CLI and the test servers build
+a few attribute checks per request (docs/design.md). The CLI and the test servers build
 their `uvicorn.Config` with `build_uvicorn_config`, so tests run the real settings.
 
 Every socket counts against the budget in `http/connections.py`, checked against RLIMIT_NOFILE
