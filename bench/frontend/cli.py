@@ -57,6 +57,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cost-before-tree", type=Path, help="cost section: also a checkout with fake compute=0"
     )
+    p.add_argument(
+        "--cost-before-workers", default="1", help="front ends of the --cost-before-tree servers"
+    )
+    p.add_argument(
+        "--cost-tree", type=Path, help="cost section: the checkout measured (default: this one)"
+    )
+    p.add_argument("--payloads", default="tensor,jpeg", help="cost section: tensor, jpeg")
     p.add_argument("--delays", default="0,5,10", help="--max-queue-delay-ms values")
     p.add_argument("--policy-seconds", type=float, default=8.0)
     p.add_argument("--out", type=Path)
@@ -68,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.quick:
         a.rounds, a.seconds, a.profile_seconds, a.policy_seconds = 1, 2.0, 3.0, 3.0
     a.cost_workers = [int(x) for x in a.cost_workers.split(",")]
+    a.cost_before_workers = [int(x) for x in a.cost_before_workers.split(",")]
+    a.payloads = [x for x in a.payloads.split(",") if x]
     a.workers_list = [int(x) for x in a.workers_list.split(",")]
     a.delays = [float(x) for x in a.delays.split(",") if x]
     a.profile_payloads = [x for x in a.profile_payloads.split(",") if x]

@@ -44,13 +44,17 @@ def decode_cost(jpegs: Sequence[Request], repeat: int = 60) -> float:
 
 def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
     server_cpus, client_cpus = split_cpus(a.client_cores)
-    kinds = {"tensor": requests_of("raw-tensor"), "jpeg": requests_of("jpeg")}
+    payloads = {"tensor": "raw-tensor", "jpeg": "jpeg"}
+    kinds = {k: requests_of(payloads[k]) for k in a.payloads}
     servers = [floor()] + [
-        clipserve(f"clipserve-w{n}", [*fake_flags(model), "--workers", str(n)])
+        clipserve(f"clipserve-w{n}", [*fake_flags(model), "--workers", str(n)], a.cost_tree)
         for n in a.cost_workers
     ]
-    if a.cost_before_tree:  # one process, as before issue 8 (its fake must know compute=0)
-        servers.append(clipserve("clipserve-before", fake_flags(model), a.cost_before_tree))
+    if a.cost_before_tree:  # its fake must know compute=0
+        servers += [
+            clipserve(f"before-w{n}", [*fake_flags(model), "--workers", str(n)], a.cost_before_tree)
+            for n in a.cost_before_workers
+        ]
     rows: Rows = []
     threads = len(client_cpus or {0})
     with contextlib.ExitStack() as stack, affinity(client_cpus):
@@ -61,7 +65,7 @@ def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
         decode: list[float] = []  # per round, on the server's cores between load points
         for rnd in range(a.rounds):
             with affinity(server_cpus):
-                decode.append(decode_cost(kinds["jpeg"]))
+                decode.append(decode_cost(kinds["jpeg"]) if "jpeg" in kinds else 0.0)
             for r in rotated(up, rnd):
                 for kind, reqs in kinds.items():
                     point = saturate(r, reqs, a.seconds, a.connections, threads)
@@ -78,7 +82,7 @@ def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
         for kind in kinds
     }
     profiles = {}
-    if a.profile_seconds > 0:
+    if a.profile_seconds > 0 and set(a.profile_payloads) <= set(kinds):
         cpus = (server_cpus, client_cpus)
         profiled = [s for s in servers[1:] if s.name not in skipped]
         profiles = _profiles(a, profiled, cpus, {k: kinds[k] for k in a.profile_payloads})
@@ -90,9 +94,29 @@ def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
         "decode_cpu_ms_per_jpeg_offline": spread(decode),
         "skipped": skipped,
         "summary_medians": summary,
+        "ratios": _ratios(rows, [r.server.name for r in up], list(kinds)),
         "rows": rows,
         "profiles": profiles,
     }
+
+
+def _ratios(rows: Rows, servers: list[str], kinds: list[str]) -> dict[str, Any]:
+    """Each server's requests/s over the floor's, and --workers 2's over --workers 1's of the
+    same tree, per round (the two measured minutes apart at most), as medians with spread."""
+    rate = {(x["server"], x["payload"], x["round"]): x["requests_per_s"] for x in rows if clean(x)}
+    rounds = sorted({x["round"] for x in rows})
+    pairs = [(s, "floor") for s in servers if s != "floor"]
+    pairs += [(s, s[:-1] + "1") for s in servers if s.endswith("-w2") and s[:-1] + "1" in servers]
+    out: dict[str, Any] = {}
+    for kind in kinds:
+        for num, den in pairs:
+            ratios = [
+                rate[num, kind, r] / rate[den, kind, r]
+                for r in rounds
+                if (num, kind, r) in rate and (den, kind, r) in rate
+            ]
+            out[f"{num} / {den} {kind} requests/s"] = spread(ratios)
+    return out
 
 
 def _summary(rows: Rows, server: str, kind: str, decode: list[float]) -> dict[str, Any]:

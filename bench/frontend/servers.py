@@ -42,6 +42,14 @@ def clipserve(name: str, flags: Sequence[str], tree: Path | None = None) -> Serv
     env = {**os.environ, "PYTHONPATH": str(tree)} if tree else None
     n = int(flags[flags.index("--workers") + 1]) if "--workers" in flags else 1
     argv = ["-m", "clipserve", *flags, "--log-level", "warning"]
+    source = (tree or REPO) / "clipserve" / "config.py"
+    text = source.read_text() if source.is_file() else ""
+    if "cache_mb" in text and "--cache-mb" not in flags:
+        # One payload sent over and over would measure the embedding cache's hits.
+        argv += ["--cache-mb", "0"]
+    if "grpc_port" in text and "--grpc-port" not in flags:
+        # gRPC stays on, as served, but on a port of its own: servers run side by side.
+        argv += ["--grpc-port", str(free_port())]
     return Server(name, argv, tree or REPO, env, front_ends=n)
 
 
@@ -173,7 +181,7 @@ def _accepted_by(root: psutil.Process, client_port: int, port: int, until: float
             with contextlib.suppress(psutil.Error):
                 for c in p.net_connections("tcp"):
                     if c.raddr and c.raddr.port == client_port and c.laddr.port == port:
-                        return p.pid
+                        return int(p.pid)
         time.sleep(0.01)
     return None
 

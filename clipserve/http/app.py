@@ -15,7 +15,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.exceptions import ExceptionMiddleware
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp
 
 from clipserve import errors
 from clipserve.batching.tower import Tower
@@ -23,6 +25,7 @@ from clipserve.config import ServerConfig
 from clipserve.engine.messages import ModelCard
 from clipserve.http.access import Access, AccessGuard, MeteredTower
 from clipserve.http.doors import DOORS
+from clipserve.http.fastlane import FastLane, Handler
 from clipserve.http.observer import RequestObserver, request_tracing
 from clipserve.http.pipeline import Pipeline, Serving
 from clipserve.http.request import BodyBudget, ClientGone
@@ -156,6 +159,19 @@ def _shm_regions(config: ServerConfig, front_end: tuple[int, int] | None) -> Sha
     return SharedMemoryRegions(lim.shm_max_regions, lim.shm_max_bytes, table)
 
 
+class _Served(Starlette):
+    """Starlette less its ServerErrorMiddleware, which sits outside every other layer: the
+    request observer, outermost of ours, answers each unhandled error itself (an opaque JSON
+    500, logged with the request id), so that layer never saw one, yet wrapped every `send`."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        handlers = self.exception_handlers
+        app: ASGIApp = ExceptionMiddleware(self.router, handlers=handlers, debug=self.debug)
+        for cls, args, kwargs in reversed(self.user_middleware):
+            app = cls(app, *args, **kwargs)
+        return app
+
+
 def create_app(
     config: ServerConfig,
     runtime: Runtime | None = None,
@@ -207,16 +223,16 @@ def create_app(
                 budget.close()
 
     pages = ErrorPages(DOORS)
-    app = Starlette(
-        routes=[route for door in DOORS for route in door.routes()],
-        exception_handlers={
-            errors.ClipserveError: pages.domain_error,
-            HTTPException: pages.http_error,
-            ClientGone: pages.client_gone,
-            ClientDisconnect: pages.client_gone,
-        },
-        lifespan=lifespan,
-    )
+    handlers: dict[Any, Handler] = {
+        errors.ClipserveError: pages.domain_error,
+        HTTPException: pages.http_error,
+        ClientGone: pages.client_gone,
+        ClientDisconnect: pages.client_gone,
+    }
+    routes = [route for door in DOORS for route in door.routes()]
+    app = _Served(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    # Innermost of ours: inference POSTs skip Starlette's own layers (http/fastlane.py).
+    app.add_middleware(FastLane, routes=routes, handlers=handlers)
     if access is not None:  # inside the observer: its answers get a request id and a count
         app.add_middleware(AccessGuard, access=access, pages=pages)
     tracing = request_tracing(config.http.otel_endpoint)

@@ -14,8 +14,10 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import Receive, Scope, Send
 
-from clipserve.http.pipeline import Pipeline, pipeline_of
+from clipserve.http.asgi import AsgiExchange, RequestHead, send_answer
+from clipserve.http.pipeline import Pipeline
 from clipserve.http.work import Call
 
 CallFactory = Callable[[Request, Pipeline[Any]], Call[Any]]
@@ -34,11 +36,24 @@ class FrontDoor(Protocol):
         ...
 
 
+class InferenceEndpoint:
+    """An inference route's ASGI app: the door's call from the request's head, the pipeline,
+    the 200 answer. Errors are raised to the app's exception handlers (Starlette's, or the
+    fast lane's lookup of the same ones). Reached through the router or the fast lane alike."""
+
+    def __init__(self, make_call: CallFactory) -> None:
+        self.make_call = make_call
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pipeline: Pipeline[Any] = scope["state"]["pipeline"]
+        request = RequestHead(scope, receive)  # the head only: the exchange reads the body
+        call = self.make_call(request, pipeline)  # 415, 404, 422... before the body is read
+        exchange = AsgiExchange(scope, receive, request.headers)
+        ctx, protocol, encoded = await pipeline.run(exchange, call)
+        pipeline.record(ctx, protocol, len(encoded.content))
+        await send_answer(send, encoded, ctx.timer.header())
+
+
 def inference_route(path: str, make_call: CallFactory) -> Route:
     """A POST route that runs the pipeline with the call `make_call` reads off the request."""
-
-    async def endpoint(request: Request) -> Response:
-        pipeline = pipeline_of(request)
-        return await pipeline.serve(request, make_call(request, pipeline))
-
-    return Route(path, endpoint, methods=["POST"])
+    return Route(path, InferenceEndpoint(make_call), methods=["POST"])

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clipserve import errors
+from clipserve.http.children import Children
 from clipserve.http.status import ErrorPages
 from clipserve.logs import ACCESS_LOGGER
 from clipserve.metrics import Metrics
@@ -72,13 +73,17 @@ class RequestObserver:
         self.metrics = metrics
         self.pages = pages
         self.tracing = tracing
+        self.counted = Children(metrics.requests)
+        self.timed = Children(metrics.request_duration)
+        self.labels: dict[str, str] = {}  # a route's path -> its label
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         t0 = time.perf_counter()
-        sent_id = dict(scope["headers"]).get(b"x-request-id")
+        # The last one sent, as a dict of the headers kept it.
+        sent_id = next((v for k, v in reversed(scope["headers"]) if k == b"x-request-id"), None)
         valid_id = sent_id is None or valid_request_id(sent_id)
         request_id = sent_id.decode("ascii") if sent_id and valid_id else new_request_id()
         state = scope.setdefault("state", {})
@@ -90,12 +95,17 @@ class RequestObserver:
             nonlocal status, started
             if message["type"] == "http.response.start":
                 status, started = message["status"], True
-                total = f"total;dur={(time.perf_counter() - t0) * 1000:.3f}"
-                headers = [(k, v) for k, v in message.get("headers", []) if k != b"server-timing"]
-                timing = [v for k, v in message.get("headers", []) if k == b"server-timing"]
-                stages = b", ".join([*timing, total.encode()])
-                ours = [(b"x-request-id", request_id.encode()), (b"server-timing", stages)]
-                message["headers"] = [*headers, *ours]
+                total = b"total;dur=%.3f" % ((time.perf_counter() - t0) * 1000)
+                headers, timing = [], []
+                for name, value in message.get("headers", ()):
+                    if name == b"server-timing":  # the stages', joined with the total
+                        timing.append(value)
+                    else:
+                        headers.append((name, value))
+                timing.append(total)
+                headers.append((b"x-request-id", request_id.encode()))
+                headers.append((b"server-timing", b", ".join(timing)))
+                message["headers"] = headers
             await send(message)
 
         async def answer(status: int, code: str, message: str, retry_after: int | None) -> None:
@@ -121,15 +131,21 @@ class RequestObserver:
             problem = "server is shutting down; retry on another replica"
             await answer(503, errors.ShuttingDown.code, problem, errors.ShuttingDown.retry_after_s)
         finally:
-            # The matched route's template (one label for /v2/models/{name}/infer), else other.
-            route = _CONVERTER.sub(r"{\1}", getattr(scope.get("route"), "path", "other"))
+            route = self._label(getattr(scope.get("route"), "path", "other"))
             elapsed = time.perf_counter() - t0
-            self.metrics.requests.labels(route, str(status)).inc()
-            self.metrics.request_duration.labels(route).observe(elapsed)
+            self.counted(route, str(status)).inc()
+            self.timed(route).observe(elapsed)
             if span is not None:
                 span.finish(scope, route, status)
             if access_log.isEnabledFor(logging.INFO):
                 _log_access(scope, state, request_id, route, status, elapsed)
+
+    def _label(self, path: str) -> str:
+        """The matched route's template (one label for /v2/models/{name}/infer), else other."""
+        label = self.labels.get(path)
+        if label is None:  # route paths are the app's few templates: a bounded table
+            label = self.labels[path] = _CONVERTER.sub(r"{\1}", path)
+        return label
 
 
 def _log_access(

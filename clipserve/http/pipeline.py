@@ -1,7 +1,7 @@
 """One request's walk from body to answer: the only path from HTTP or gRPC to the towers.
 
 Every front door's inference route runs `Pipeline.run` with its own `Call` (http/work.py) and
-its transport's `Exchange` (http/exchange.py; `Pipeline.serve` for HTTP):
+its transport's `Exchange` (http/exchange.py; http/asgi.py for HTTP):
 deadline -> read the body -> admit one place -> parse in the pool -> grow the admission to the
 parsed size -> decode -> batch -> encode -> respond. Admission comes before any CPU work, parsing
 included, so the pool's backlog is bounded by the queue for every protocol alike. Stage timing,
@@ -18,18 +18,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, ParamSpec, Protocol, TypeVar
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast
 
 import numpy as np
 from starlette.requests import Request
-from starlette.responses import Response
 
 from clipserve.batching.tower import CachingTower, Completed, TicketT, Tower, TowerKind
 from clipserve.config import ServerConfig
 from clipserve.errors import ClipserveError, RequestTimeout, with_item_index
 from clipserve.http import health
 from clipserve.http.cache_keys import CacheKeys, Found
-from clipserve.http.exchange import Exchange, HttpExchange
+from clipserve.http.children import Children
+from clipserve.http.exchange import Exchange
 from clipserve.http.fetch import ImageFetcher
 from clipserve.http.names import ServedNames
 from clipserve.http.request import BodyBudget, RequestContext, unless_gone
@@ -103,6 +103,10 @@ class Pipeline(Generic[TicketT]):
         self.names = ServedNames.of(config.model, model.name, model.identity)
         self.towers: dict[TowerKind, Tower[TicketT]] = {"image": image, "text": text}
         self.metrics = metrics
+        self.counted = _Counted(metrics)
+        # Asked per request where the cache is on: a runtime-checkable Protocol's isinstance
+        # costs ~10 µs, so each tower is checked once.
+        self._caching = {id(t) for t in self.towers.values() if isinstance(t, CachingTower)}
         self.decode_pool = decode_pool
         # --max-body-bytes-in-flight: this process's own, unless the front ends share one.
         self.body_budget = body_budget or BodyBudget(config.limits.max_body_bytes_in_flight)
@@ -120,13 +124,6 @@ class Pipeline(Generic[TicketT]):
         """Every probe's answer: workers alive and the startup self-check not failed."""
         return health.readiness(self.towers, self.runtime.self_check)
 
-    async def serve(self, request: Request, call: Call[Parsed]) -> Response:
-        """Every HTTP inference route: the walk below, then the 200 answer with its stages."""
-        ctx, protocol, encoded = await self.run(HttpExchange(request), call)
-        self.record(ctx, protocol, len(encoded.content))
-        headers = {**encoded.headers, "Server-Timing": ctx.timer.header()}
-        return Response(encoded.content, media_type=encoded.media_type, headers=headers)
-
     async def run(
         self, exchange: Exchange, call: Call[Parsed]
     ) -> tuple[RequestContext, str, Encoded]:
@@ -135,19 +132,7 @@ class Pipeline(Generic[TicketT]):
         t0 = time.perf_counter()
         try:
             async with self.request(exchange) as ctx:
-                with ctx.timer.measure("receive"):
-                    limit = self.config.limits.max_body_bytes
-                    body = await exchange.body(limit, self.body_budget, ctx)
-                ctx.body_bytes = len(body)
-                async with self.admitted(self.towers[call.tower], ctx) as held:
-                    with ctx.timer.measure("decode"):  # parsing the body counts as decoding
-                        if call.inline:
-                            work = call.parse(body)
-                        else:
-                            work = await self.in_pool(call.parse, body)
-                    work.fresh = exchange.fresh
-                    exchange.note_items(work.count("image") + work.count("text"))
-                    done = await self.embed(work, ctx, call.tower, held)
+                work, done = await self._walk(exchange, call, ctx)
             with ctx.timer.measure("encode"):
                 encoded = call.encode(work, done)
         except ClipserveError:
@@ -155,6 +140,25 @@ class Pipeline(Generic[TicketT]):
             raise
         self._model_outcome(call.tower, "success", time.perf_counter() - t0, ctx, work)
         return ctx, work.protocol, encoded
+
+    async def _walk(
+        self, exchange: Exchange, call: Call[Parsed], ctx: RequestContext
+    ) -> tuple[Work[Parsed], Embedded]:
+        """Body, one place, parse, embed: `run`'s steps within the deadline."""
+        with ctx.timer.measure("receive"):
+            limit = self.config.limits.max_body_bytes
+            body = await exchange.body(limit, self.body_budget, ctx)
+        ctx.body_bytes = len(body)
+        # `admitted`'s steps, spelled out on this per-request path (no generator to drive).
+        held = Admitted(await self.towers[call.tower].reserve(1, ctx.deadline), 1)
+        try:
+            with ctx.timer.measure("decode"):  # parsing the body counts as decoding
+                work = call.parse(body) if call.inline else await self.in_pool(call.parse, body)
+            work.fresh = exchange.fresh
+            exchange.note_items(work.count("image") + work.count("text"))
+            return work, await self.embed(work, ctx, call.tower, held)
+        finally:
+            held.ticket.release_all()
 
     def _model_outcome(
         self,
@@ -166,15 +170,15 @@ class Pipeline(Generic[TicketT]):
     ) -> None:
         """Triton's model statistics (http/stats.py): a request answered, its time, and for a
         success its stages and items."""
-        m = self.metrics
-        m.model_requests.labels(tower, outcome).inc()
-        m.model_request_seconds.labels(tower, outcome).inc(seconds)
+        c = self.counted
+        c.model_requests(tower, outcome).inc()
+        c.model_request_seconds(tower, outcome).inc(seconds)
         if ctx is None or work is None:
             return
         for stage, spent in ctx.timer.stages.items():
-            m.model_stage_seconds.labels(tower, stage).inc(spent)
-        m.model_items.labels(tower).inc(work.count(tower))
-        m.model_last_inference.labels(tower).set(time.time())
+            c.model_stage_seconds(tower, stage).inc(spent)
+        c.model_items(tower).inc(work.count(tower))
+        c.model_last_inference(tower).set(time.time())
 
     @asynccontextmanager
     async def request(self, exchange: Exchange) -> AsyncIterator[RequestContext]:
@@ -335,9 +339,9 @@ class Pipeline(Generic[TicketT]):
         answer is the whole request's."""
         t0 = time.perf_counter()
         rid = ctx.request_id
-        if found is not None and isinstance(tower, CachingTower):
+        if found is not None and id(tower) in self._caching:
             keys = [found.keys[i] for i in found.missing]
-            run = tower.run(
+            run = cast(CachingTower[TicketT], tower).run(
                 ticket, arrays, normalize=normalize, request_id=rid, keys=keys, fresh=fresh
             )
         else:
@@ -373,16 +377,31 @@ class Pipeline(Generic[TicketT]):
             else:  # a few hundred bytes a text
                 keys = keys_of.texts(items, normalize)
             rows: list[np.ndarray | None] = [None] * len(keys)
-            if lookup and not fresh and isinstance(tower, CachingTower):
-                rows = await tower.lookup(keys)
+            if lookup and not fresh and id(tower) in self._caching:
+                rows = await cast(CachingTower[TicketT], tower).lookup(keys)
         return Found(rows, keys)
 
     def record(self, ctx: RequestContext, protocol: str, response_bytes: int) -> None:
         """A 200 answer's stages and sizes in the per-protocol metrics."""
+        c = self.counted
         for stage, seconds in ctx.timer.stages.items():
-            self.metrics.stage_duration.labels(stage, protocol).observe(seconds)
-        self.metrics.request_bytes.labels(protocol).inc(ctx.body_bytes)
-        self.metrics.response_bytes.labels(protocol).inc(response_bytes)
+            c.stage_duration(stage, protocol).observe(seconds)
+        c.request_bytes(protocol).inc(ctx.body_bytes)
+        c.response_bytes(protocol).inc(response_bytes)
+
+
+class _Counted:
+    """The per-request metrics' children, each looked up once (http/children.py)."""
+
+    def __init__(self, m: Metrics) -> None:
+        self.model_requests = Children(m.model_requests)
+        self.model_request_seconds = Children(m.model_request_seconds)
+        self.model_stage_seconds = Children(m.model_stage_seconds)
+        self.model_items = Children(m.model_items)
+        self.model_last_inference = Children(m.model_last_inference)
+        self.stage_duration = Children(m.stage_duration)
+        self.request_bytes = Children(m.request_bytes)
+        self.response_bytes = Children(m.response_bytes)
 
 
 async def _all(jobs: Sequence[Awaitable[T]]) -> list[T]:

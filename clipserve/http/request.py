@@ -62,21 +62,34 @@ async def until_disconnected(receive: Receive) -> None:
 
 
 async def unless_gone(gone: Callable[[], Awaitable[None]], work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it if the client goes away first (its items leave the queue)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
+    """Await `work` in this task, cancelling it if the client goes away first (its items leave
+    the queue): ClientGone then. One watcher task per request; the work runs in the caller's."""
+    task = asyncio.current_task()
+    assert task is not None
+    left = False
+
+    def leave(watcher: asyncio.Future[None]) -> None:
+        nonlocal left
+        if not watcher.cancelled() and watcher.exception() is None:
+            left = True
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        elif not task.cancelled():
-            task.exception()  # retrieved, even when our own cancellation wins the race
-    if task.cancelled():
+
+    watcher = asyncio.ensure_future(gone())
+    watcher.add_done_callback(leave)
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        if not left:  # the deadline's, or the server's drain: theirs to handle
+            raise
+        task.uncancel()  # ours, taken back
+        raise ClientGone() from None
+    finally:
+        watcher.remove_done_callback(leave)
+        watcher.cancel()
+    if left:  # the work finished despite our cancellation: the client is gone all the same
+        task.uncancel()
         raise ClientGone()
-    return task.result()
+    return result
 
 
 def request_timeout(headers: Mapping[str, str], server_timeout_s: float) -> float:

@@ -49,6 +49,14 @@ def _model(request: Request) -> tuple[str, KServeModel]:
     return resolve_model(pipeline_of(request).names, name, version)
 
 
+INLINE_HEADER_BYTES = 4096  # a binary request's JSON header short enough to parse inline
+
+
+def _short(header_length: str | None) -> bool:
+    raw = (header_length or "").strip()
+    return raw.isascii() and raw.isdigit() and len(raw) <= 19 and int(raw) <= INLINE_HEADER_BYTES
+
+
 def work_of(
     parsed: codec.InferRequest, tower: TowerKind, runtime: Serving, limits: LimitsConfig
 ) -> Work[codec.InferRequest]:
@@ -91,7 +99,11 @@ class Infer:
             )
         header_length = request.headers.get(codec.HEADER_LENGTH)
         limits, output = pipeline.config.limits, pipeline.names.output
-        return cls(pipeline.runtime, name, model, header_length, limits, output, pipeline.regions)
+        # The UINT8 model's binary request: a short JSON header and a view of the tensor, less
+        # work than a hop to the pool. Any other is parsed there (JSON data, range checks).
+        inline = model.datatype == "UINT8" and _short(header_length)
+        regions = pipeline.regions
+        return cls(pipeline.runtime, name, model, header_length, limits, output, regions, inline)
 
     def parse(self, body: bytes) -> Work[codec.InferRequest]:
         parsed = codec.parse_infer_request(

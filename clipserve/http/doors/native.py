@@ -6,6 +6,7 @@ answers as JSON, msgpack or raw float32/float16, chosen by `Accept`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +25,8 @@ from clipserve.http.info import info_card
 from clipserve.http.pipeline import Pipeline, Serving, pipeline_of
 from clipserve.http.status import native_error
 from clipserve.http.work import Embedded, Encoded, ImageWork, TextWork, Work
-from clipserve.protocol.media import negotiate
-from clipserve.protocol.requests import ImageCodec, image_codec
+from clipserve.protocol.media import media_type, negotiate
+from clipserve.protocol.requests import RAW_TENSOR, ImageCodec, image_codec
 from clipserve.protocol.responses import RESPONSE_TYPES, encode_embeddings, out_dtype
 from clipserve.protocol.text import text_protocol, texts_from
 
@@ -44,6 +45,10 @@ def _flag(request: Request, name: str, default: bool) -> bool:
     raise InvalidParameter(f"query parameter {name}={raw[:40]!r}: expected true or false")
 
 
+# Clients send the same few Accept headers over and over; a refused one raises (not cached).
+_negotiate = functools.lru_cache(maxsize=256)(negotiate)
+
+
 @dataclass(frozen=True)
 class Answer:
     """What the client asked of the answer: its media type (`Accept`), `?dtype=`, `?normalize=`."""
@@ -54,7 +59,7 @@ class Answer:
 
     @classmethod
     def of(cls, request: Request) -> Answer:
-        media = negotiate(request.headers.get("accept"), RESPONSE_TYPES)
+        media = _negotiate(request.headers.get("accept"), RESPONSE_TYPES)
         normalize = _flag(request, "normalize", True)
         return cls(media, out_dtype(request.query_params.get("dtype")), normalize)
 
@@ -78,6 +83,7 @@ class EmbedImages:
     answer: Answer
     max_items: int
     fetch_urls: bool
+    inline: bool
     tower: TowerKind = "image"
 
     @classmethod
@@ -85,17 +91,17 @@ class EmbedImages:
         headers = request.headers
         content_type = headers.get("content-type", "")
         codec = image_codec(content_type)
-        tensor_headers = {
-            k: headers[k] for k in ("x-tensor-dtype", "x-tensor-shape") if k in headers
-        }
+        tensor_headers = {k: v for k in TENSOR_HEADERS if (v := headers.get(k)) is not None}
         limit = pipeline.config.limits.max_items_per_request
         answer = Answer.of(request)
         fetch = pipeline.fetcher.enabled
-        return cls(pipeline.runtime, codec, content_type, tensor_headers, answer, limit, fetch)
-
-    @property
-    def inline(self) -> bool:
-        return self.codec.inline
+        # A uint8 raw tensor is parsed by a few checks and a view of the body: a hop to the
+        # pool costs more than that. Float tensors are range-checked: in the pool.
+        dtype = tensor_headers.get("x-tensor-dtype", "").strip().lower()
+        inline = codec.inline or (media_type(content_type) == RAW_TENSOR and dtype == "uint8")
+        return cls(
+            pipeline.runtime, codec, content_type, tensor_headers, answer, limit, fetch, inline
+        )
 
     def parse(self, body: bytes) -> Work[bool]:
         size = self.runtime.model.preprocess.size

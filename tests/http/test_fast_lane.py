@@ -1,0 +1,346 @@
+"""The fast lane (http/fastlane.py): inference POSTs skip Starlette's router and exception
+middleware. It must pick the router's route, and answer as the router's path does: same
+statuses, bodies, headers, metrics, request ids, access lines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from clipserve.http.app import create_app
+from clipserve.http.door import InferenceEndpoint
+from clipserve.http.fastlane import FastLane, first_match
+from clipserve.http.request import ClientGone, unless_gone
+from clipserve.logs import ACCESS_LOGGER
+from tests.helpers import make_config
+
+TENSOR = {
+    "content-type": "application/octet-stream",
+    "x-tensor-dtype": "uint8",
+    "x-tensor-shape": "1,224,224,3",
+}
+
+
+def pixels(seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, (1, 224, 224, 3), np.uint8).tobytes()
+
+
+def kserve_body(seed: int = 0) -> tuple[bytes, dict[str, str]]:
+    data = pixels(seed)
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "pixels",
+                    "datatype": "UINT8",
+                    "shape": [1, 224, 224, 3],
+                    "parameters": {"binary_data_size": len(data)},
+                }
+            ]
+        }
+    ).encode()
+    headers = {
+        "content-type": "application/octet-stream",
+        "inference-header-content-length": str(len(header)),
+    }
+    return header + data, headers
+
+
+async def _nothing(app: Any, receive: Any, send: Any) -> None:
+    raise AssertionError("not the lane's request")
+
+
+@pytest.fixture(scope="module")
+def app(tiny_config: Path, tiny_checkpoint: Path) -> Starlette:
+    config = make_config(tiny_config, tiny_checkpoint, backend="fake")
+    return create_app(config, registry=CollectorRegistry())
+
+
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("POST", "/embed"),
+        ("GET", "/embed"),
+        ("POST", "/embed/"),
+        ("POST", "/embed/text"),
+        ("POST", "/v1/embeddings"),
+        ("POST", "/embeddings"),
+        ("POST", "/v2/models/m/infer"),
+        ("POST", "/v2/models/org/m/infer"),
+        ("POST", "/v2/models/m/versions/1/infer"),
+        ("POST", "/v2/models/org/m/versions/1/infer"),
+        ("GET", "/v2/models/m/infer"),
+        ("POST", "/v2/models/infer"),
+        ("POST", "/v2/models/m/ready"),
+        ("POST", "/v2/repository/index"),
+        ("POST", "/healthz"),
+        ("POST", "/nowhere"),
+    ],
+)
+def test_the_lane_takes_exactly_the_routers_inference_routes(
+    app: Starlette, method: str, path: str
+) -> None:
+    lane = FastLane(_nothing, app.routes, {})
+    scope = {"type": "http", "method": method, "path": path, "root_path": ""}
+    router = first_match(app.routes, scope)
+    expected = (
+        router[0]
+        if router is not None
+        and method == "POST"
+        and isinstance(router[0], Route)
+        and isinstance(router[0].app, InferenceEndpoint)
+        else None
+    )
+    found = lane._route(scope) if method == "POST" else None
+    assert (found[0] if found else None) is expected
+    if found is not None and router is not None:
+        assert found[1]["path_params"] == router[1]["path_params"]
+    if method == "POST" and path in ("/embed", "/v2/models/org/m/versions/1/infer"):
+        assert expected is not None  # the hot routes are the lane's
+
+
+@asynccontextmanager
+async def served(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+    """The app's lifespan: its state, as uvicorn hands it to each request."""
+    async with app.router.lifespan_context(app) as state:
+        yield dict(state or {})
+
+
+async def call(
+    app: Starlette,
+    state: dict[str, Any],
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    *,
+    general: bool = False,
+    method: str = "POST",
+) -> tuple[int, dict[str, str], bytes]:
+    """One request as uvicorn makes it: through the fast lane, or (`general`) past it, under a
+    root path the lane leaves to the router."""
+    root = "/root" if general else ""
+    path, _, query = path.partition("?")
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": root + path,
+        "raw_path": (root + path).encode(),
+        "root_path": root,
+        "query_string": query.encode(),
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8000),
+        "state": dict(state),
+    }
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop()
+        await asyncio.sleep(3600)  # connected until the answer
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    start = sent[0]
+    assert start["type"] == "http.response.start"
+    answer = {k.decode(): v.decode() for k, v in start["headers"]}
+    return start["status"], answer, b"".join(m.get("body", b"") for m in sent[1:])
+
+
+CASES: list[tuple[str, bytes, dict[str, str]]] = [
+    ("/embed", pixels(1), TENSOR),
+    ("/embed?dtype=float16", pixels(1), TENSOR),
+    ("/embed", pixels(1), {**TENSOR, "accept": "application/msgpack"}),
+    ("/embed", pixels(1)[:-1], TENSOR),  # 400 invalid tensor
+    ("/embed", pixels(1), {**TENSOR, "x-tensor-dtype": "float64"}),
+    ("/embed", pixels(1), {**TENSOR, "content-type": "text/plain"}),  # 415
+    ("/embed", pixels(1), {**TENSOR, "accept": "image/gif"}),  # 406
+    ("/embed?normalize=maybe", pixels(1), TENSOR),  # 422
+    ("/embed", pixels(1), {**TENSOR, "x-request-timeout-ms": "soon"}),  # 400
+    ("/embed", pixels(1), {**TENSOR, "x-request-id": "bad id"}),  # 400, the observer's
+    ("/embed", pixels(1), {**TENSOR, "content-length": str(10**12)}),  # 413
+    ("/embed/text", b'{"texts": ["a cat"]}', {"content-type": "application/json"}),
+]
+
+
+def _same_shape(a: dict[str, str], b: dict[str, str]) -> None:
+    """Same header names and values, but for the request id and the times."""
+    assert a.keys() == b.keys()
+    for name in a.keys() - {"x-request-id", "server-timing"}:
+        assert a[name] == b[name], name
+    stages = [re.findall(r"(\w+);dur=", h["server-timing"]) for h in (a, b)]
+    assert stages[0] == stages[1]
+
+
+def test_the_lane_answers_as_the_router_does(app: Starlette) -> None:
+    async def both() -> list[tuple[Any, Any]]:
+        async with served(app) as state:
+            out = []
+            for path, body, headers in CASES:
+                fast = await call(app, state, path, body, headers)
+                general = await call(app, state, path, body, headers, general=True)
+                out.append((fast, general))
+            return out
+
+    statuses = []
+    for (path, _, _), (fast, general) in zip(CASES, asyncio.run(both()), strict=True):
+        assert fast[0] == general[0], path
+        _same_shape(fast[1], general[1])
+        assert fast[2] == general[2], path
+        statuses.append(fast[0])
+    assert statuses == [200, 200, 200, 400, 400, 415, 406, 422, 400, 400, 413, 200]
+
+
+def test_kserve_answers_the_same_either_way_and_in_tritons_shape(app: Starlette) -> None:
+    body, headers = kserve_body(2)
+
+    async def run() -> list[tuple[int, dict[str, str], bytes]]:
+        async with served(app) as state:
+            name = state["pipeline"].names.image[0]
+            return [
+                await call(app, state, f"/v2/models/{name}-uint8/infer", body, headers),
+                await call(
+                    app, state, f"/v2/models/{name}-uint8/infer", body, headers, general=True
+                ),
+                await call(app, state, f"/v2/models/{name}/versions/1/infer", body, headers),
+                await call(app, state, "/v2/models/nope/infer", body, headers),
+            ]
+
+    uint8, general, versioned, unknown = asyncio.run(run())
+    assert uint8[0] == general[0] == versioned[0] == 200
+    assert uint8[2] == general[2]
+    assert json.loads(uint8[2])["outputs"][0]["shape"] == [1, 32]
+    assert unknown[0] == 404 and set(json.loads(unknown[2])) == {"error"}  # Triton's shape
+
+
+@contextmanager
+def access_lines() -> Iterator[list[logging.LogRecord]]:
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger(ACCESS_LOGGER)
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_request_ids_metrics_and_access_lines_on_the_fast_path(app: Starlette) -> None:
+    async def run() -> tuple[int, dict[str, str], bytes]:
+        async with served(app) as state:
+            return await call(app, state, "/embed", pixels(3), {**TENSOR, "x-request-id": "r-1"})
+
+    with access_lines() as lines:
+        status, headers, _ = asyncio.run(run())
+    assert status == 200 and headers["x-request-id"] == "r-1"
+    stages = re.findall(r"(\w+);dur=", headers["server-timing"])
+    assert stages == ["receive", "decode", "queue", "compute", "encode", "total"]
+    fields = [f for r in lines if (f := getattr(r, "fields", {})).get("request_id") == "r-1"]
+    assert len(fields) == 1
+    assert fields[0]["route"] == "/embed" and fields[0]["status"] == 200
+    assert fields[0]["items"] == 1
+    text = app.state.pipeline.metrics.render().decode()
+    assert re.search(r'clipserve_requests_total\{route="/embed",status="200"\} [1-9]', text)
+    assert re.search(
+        r'clipserve_stage_duration_seconds_count\{protocol="raw-tensor",stage="queue"\}', text
+    )
+
+
+# ---- unless_gone: one watcher task, the work in the caller's --------------------------------
+
+
+async def _gone_after(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+def test_a_client_gone_first_cancels_the_work() -> None:
+    cancelled = asyncio.Event()
+
+    async def work() -> int:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return 1
+
+    async def run() -> None:
+        with pytest.raises(ClientGone):
+            await unless_gone(lambda: _gone_after(0.01), work())
+        assert cancelled.is_set()
+        task = asyncio.current_task()
+        assert task is not None and task.cancelling() == 0  # our cancellation taken back
+        await asyncio.sleep(0)  # and none left pending on the task
+
+    asyncio.run(run())
+
+
+def test_work_done_first_is_the_answer_and_the_watch_ends() -> None:
+    watching: list[asyncio.Task[Any]] = []
+
+    async def never() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        watching.append(task)
+        await asyncio.sleep(3600)
+
+    async def run() -> int:
+        answer = await unless_gone(never, asyncio.sleep(0.01, result=7))
+        await asyncio.sleep(0)
+        assert watching[0].cancelled()
+        return answer
+
+    assert asyncio.run(run()) == 7
+
+
+def test_a_deadline_is_not_a_client_gone() -> None:
+    async def run() -> None:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.01):
+                await unless_gone(lambda: _gone_after(10), asyncio.sleep(10))
+
+    asyncio.run(run())
+
+
+def test_work_that_swallows_the_cancellation_still_reports_the_client_gone() -> None:
+    async def stubborn() -> int:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            return 3  # cleans up and returns, as a careless awaitable might
+        return 0
+
+    async def run() -> None:
+        with pytest.raises(ClientGone):
+            await unless_gone(lambda: _gone_after(0.01), stubborn())
+        task = asyncio.current_task()
+        assert task is not None and task.cancelling() == 0
+
+    asyncio.run(run())
