@@ -30,6 +30,7 @@ def info_card(runtime: Serving, config: ServerConfig, names: ServedNames) -> dic
         "precision": runtime.precision,
         "devices": runtime.devices,
         "self_check": runtime.self_check,
+        "jpeg_decoder": jpeg_decoder(runtime, config),
         "batching": {
             "max_batch_size": b.max_batch_size,
             "max_queue_size": b.max_queue_size,
@@ -54,3 +55,13 @@ def info_card(runtime: Serving, config: ServerConfig, names: ServedNames) -> dic
             "header_timeout_s": http.header_timeout_s,
         },
     }
+
+
+def jpeg_decoder(runtime: Serving, config: ServerConfig) -> str:
+    """Which decoder turns JPEGs into crops: the host's ("pillow", or the fast path's simplejpeg
+    + torch), or with --decode gpu torchvision's on each device, the host's for what it hands
+    back (PNG, CMYK, refusals)."""
+    host = runtime.decoder.jpeg_decoder
+    if config.backend.decode == "gpu":
+        return f"torchvision decode_jpeg on the device (nvJPEG on CUDA); host: {host}"
+    return host

@@ -159,7 +159,7 @@ class DeviceDecoder:
         except ImportError:
             raise StartupError(
                 "--decode gpu needs simplejpeg to refuse corrupt JPEGs before nvJPEG sees them: "
-                "pip install 'clipserve[fastjpeg]'"
+                "pip install simplejpeg"
             ) from None
         self.host = host
         self.spec = host.spec

@@ -1,8 +1,9 @@
 """Decode and crop images to uint8 HWC at the model's input size, parameters from open_clip.
 
 The steps follow open_clip's eval transform (resize the shorter side, centre crop, then convert
-to RGB) so the pixels match it; two shortcuts, both bounded by tests against open_clip itself:
-JPEG draft mode (libjpeg DCT scaling) and Pillow's `reducing_gap` for large images.
+to RGB) so the pixels match it; shortcuts, all bounded by tests against open_clip itself: JPEG
+draft mode (libjpeg DCT scaling), Pillow's `reducing_gap` for large images, and where installed
+the fast JPEG path of inference/jpeg.py (simplejpeg's decode, torch's resize).
 Normalisation is not done here: it happens on the executor's device.
 """
 
@@ -13,20 +14,24 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from clipserve.config import LimitsConfig
 from clipserve.errors import ImageTooLarge, InvalidImage, StartupError
+from clipserve.inference.jpeg import PILLOW, FastJpeg, fast_jpeg, orient
 from clipserve.protocol.urls import is_url, url_refused
 
 ACCEPTED_FORMATS = ("JPEG", "PNG", "WEBP")
 _RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
-# Draft-decode JPEGs to at least this multiple of the target size, then resize properly: a
-# smaller margin is faster but drifts further from open_clip (bench/results/decoders.json).
-DRAFT_MARGIN = 1
+# Draft-decode JPEGs (libjpeg's DCT scaling, 1/2 to 1/8) to at least this multiple of the target
+# size, then resize properly. The DCT's scaling keeps detail that open_clip's antialiased resize
+# softens; with little resize left after it the crop comes out sharper than open_clip's: at 1,
+# motorcycle_left (741x500 -> 371x250 -> 224) is 4.7 levels off, cosine 0.990; at 2, within 0.5
+# level on scikit-image's photos (tests/inference/test_jpeg.py, bench/results/jpeg-decoders.json).
+DRAFT_MARGIN = 2
 # Pillow's reduce-then-resample shortcut; 3.0 is where its docs call results indistinguishable.
 REDUCING_GAP = 3.0
 # open_clip resizes the whole image, then crops. We do the same (pixel-exact) while the resized
@@ -215,6 +220,9 @@ class ImageDecoder:
     What one decode may allocate is bounded from the header, before any pixel is decoded:
     `max_pixels` (width x height) and `max_bytes` (`decode_bytes`: the decoded mode's bytes per
     pixel, times the copies the format's decoder and the resize make) and `max_aspect`.
+    `jpeg` is the fast JPEG path ("auto": inference/jpeg.py's where installed; None: Pillow);
+    it runs only where `fast`, after the same checks, and hands Pillow any file it cannot take.
+    `draft_margin` (default DRAFT_MARGIN) is for parity and speed measurements.
     """
 
     def __init__(
@@ -225,6 +233,8 @@ class ImageDecoder:
         max_bytes: int = DEFAULT_MAX_DECODE_BYTES,
         max_aspect: float = DEFAULT_MAX_ASPECT,
         fast: bool = True,
+        jpeg: FastJpeg | Literal["auto"] | None = "auto",
+        draft_margin: int | None = None,
     ) -> None:
         self.spec = spec
         self.max_pixels = max_pixels
@@ -232,6 +242,10 @@ class ImageDecoder:
         self.max_aspect = max_aspect
         self.fast = fast
         self._resample = _RESAMPLE[spec.interpolation]
+        # Read here, not bound as the default: benchmarks set the module's value per process.
+        self.draft_margin = DRAFT_MARGIN if draft_margin is None else draft_margin
+        self._jpeg = (fast_jpeg() if jpeg == "auto" else jpeg) if fast else None
+        self.jpeg_decoder = self._jpeg.name if self._jpeg else PILLOW  # for /info and logs
 
     @classmethod
     def from_limits(cls, spec: PreprocessSpec, limits: LimitsConfig) -> ImageDecoder:
@@ -245,7 +259,7 @@ class ImageDecoder:
     def __call__(self, data: bytes) -> np.ndarray:
         img = self.open(data)
         try:
-            return self._crop(img)
+            return self._crop(img, data)
         except (OSError, ValueError, SyntaxError, EOFError) as e:
             raise InvalidImage(f"truncated or corrupt image data ({e})") from None
 
@@ -290,13 +304,20 @@ class ImageDecoder:
                 "(--max-decode-bytes)"
             )
 
-    def _crop(self, img: Image.Image) -> np.ndarray:
+    def _crop(self, img: Image.Image, data: bytes) -> np.ndarray:
         spec = self.spec
         full_size = img.size
         if self.fast and img.format == "JPEG":
-            target = max(spec.size) * DRAFT_MARGIN
+            target = max(spec.size) * self.draft_margin
             img.draft(None, (target, target))  # both sides stay >= target; EXIF swaps are safe
+        # The drafted image bounds the fast path too: the same DCT scale, and 3 bytes per pixel
+        # to Pillow's 4. Pillow decodes what libjpeg calls corrupt data (its warnings are
+        # silenced, and Pillow 13 exposes none of them): only the fast path refuses it.
         self._check_bytes(decode_bytes(img, full_size), img)
+        if self._jpeg is not None and img.format == "JPEG" and img.mode in ("RGB", "L"):
+            crop = self._crop_jpeg(self._jpeg, img, data, full_size)
+            if crop is not None:
+                return crop
         img.load()
         if img.getexif().get(ExifTags.Base.Orientation, 1) != 1:
             # The transposed copy sits beside the decoded image until the function returns.
@@ -316,6 +337,29 @@ class ImageDecoder:
         if img.mode != "RGB":
             img = img.convert("RGB")  # as open_clip's transform does, after the crop
         return np.asarray(img, dtype=np.uint8)
+
+    def _crop_jpeg(
+        self, jpeg: FastJpeg, img: Image.Image, data: bytes, full_size: tuple[int, int]
+    ) -> np.ndarray | None:
+        """The fast path (inference/jpeg.py) for `img`, opened and drafted; None where its
+        decoder cannot take the file (Pillow then decodes it). Corrupt data raises InvalidImage.
+        The crop may be a view with strided rows: its consumers copy it once (the batch's stack,
+        a shared-memory slot)."""
+        orientation = img.getexif().get(ExifTags.Base.Orientation, 1)
+        if orientation != 1:
+            self._check_bytes(
+                decode_bytes(img, full_size) + raster_bytes(img), img, ", EXIF-rotated"
+            )
+        decoded = jpeg.decode(data, img.size)  # draft's DCT scale
+        if decoded is None:
+            return None
+        array = orient(decoded, orientation)
+        height, width = array.shape[:2]
+        size = resized_size(width, height, self.spec)
+        if size[0] * size[1] > MAX_RESIZED_PIXELS:
+            region = self._resize_crop_box(Image.fromarray(array), size, REDUCING_GAP)
+            return np.asarray(region, dtype=np.uint8)
+        return jpeg.resize_crop(array, size, center_box(*size, self.spec), self.spec.interpolation)
 
     def _resize_crop_box(
         self, img: Image.Image, size: tuple[int, int], gap: float | None

@@ -31,9 +31,10 @@ from tests.inference.corrupt_jpeg import CORPUS, photo
 
 SPEC = PreprocessSpec((224, 224), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
 JPEG = {"Content-Type": "image/jpeg"}
-# Pillow (the CPU path, inference/preprocess.py) ignores libjpeg's corrupt-data warnings and
-# returns an image for these: they get an embedding there until it checks the data too.
-CPU_PATH_ACCEPTS = {"truncated_scan", "bad_huffman_code", "zeroed_scan", "restart_out_of_order"}
+# Pillow silences libjpeg's corrupt-data warnings and returns an image for these; the CPU path
+# refuses them through its fast JPEG decoder (inference/jpeg.py: simplejpeg, strict), which
+# the GPU path needs anyway. Without simplejpeg the CPU path is Pillow's and serves them.
+PILLOW_ACCEPTS = {"truncated_scan", "bad_huffman_code", "zeroed_scan", "restart_out_of_order"}
 
 
 def host() -> ImageDecoder:
@@ -68,21 +69,28 @@ def test_the_gpu_paths_checks_refuse_each_corrupt_jpeg(name: str) -> None:
     assert batch.ok == [0, 2] and isinstance(batch.errors[1], InvalidImage)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            n,
-            marks=pytest.mark.xfail(
-                n in CPU_PATH_ACCEPTS, strict=True, reason="Pillow ignores corrupt-data warnings"
-            ),
-        )
-        for n in sorted(CORPUS)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(CORPUS))
 def test_the_cpu_path_refuses_each_corrupt_jpeg(name: str) -> None:
-    with pytest.raises(InvalidImage):
+    assert host().jpeg_decoder.startswith("simplejpeg")  # the dev extra: the CPU path's decoder
+    with pytest.raises(InvalidImage) as refused:
         host()(CORPUS[name]())
+    assert refused.value.code == "invalid_image"
+
+
+@pytest.mark.parametrize("name", sorted(PILLOW_ACCEPTS))
+def test_pillow_alone_serves_the_data_corruptions(name: str) -> None:
+    """What the fast decoder adds: Pillow (the fallback) decodes these into a crop."""
+    assert ImageDecoder(SPEC, 40_000_000, jpeg=None)(CORPUS[name]()).shape == (224, 224, 3)
+
+
+def test_served_on_the_cpu_path_each_corrupt_jpeg_gets_a_400(serve: Serve) -> None:
+    server = serve(backend="fake")
+    good = httpx.post(server.url + "/embed", content=photo(), headers=JPEG)
+    assert good.status_code == 200 and len(good.json()["embedding"]) > 0
+    for name, make in CORPUS.items():
+        r = httpx.post(server.url + "/embed", content=make(), headers=JPEG)
+        assert r.status_code == 400, (name, r.text)
+        assert set(r.json()) == {"error"} and r.json()["error"]["code"] == "invalid_image"
 
 
 def test_served_with_gpu_decode_each_corrupt_jpeg_gets_a_400(serve: Serve) -> None:
