@@ -9,8 +9,8 @@ call, ~6% of a call's CPU), the key check and the rate limit's first token
 the HTTP status the same error would have (so dashboards and alerts read one series), the
 access line, and each domain error as a gRPC status (`grpc_status.py`).
 
-ModelInfer is registered without a deserializer: the pipeline reads its bytes, and the
-message is parsed in the decode pool after admission, as every HTTP body is.
+ModelInfer is registered without a deserializer (`Methods.raw`): the pipeline reads its bytes,
+and the message is parsed in the decode pool after admission, as every HTTP body is.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -29,27 +29,35 @@ from clipserve.config import ServerConfig
 from clipserve.errors import ClipserveError, StartupError, Unauthorized
 from clipserve.http.access import Access, charging
 from clipserve.http.grpc_status import grpc_error
+from clipserve.http.keys import Grant
 from clipserve.http.observer import new_request_id, valid_request_id
 from clipserve.http.server import check_tls
 from clipserve.http.status import CLIENT_CLOSED, status_for
 from clipserve.logs import ACCESS_LOGGER
 from clipserve.metrics import Metrics
 
-Context = grpc.aio.ServicerContext[Any, Any]  # the call's context, as every handler gets it
-
 log = logging.getLogger(__name__)
 access_log = logging.getLogger(ACCESS_LOGGER)
 
 SERVICE = "inference.GRPCInferenceService"
-RAW_METHODS = frozenset({"ModelInfer"})  # bytes in, bytes out: see the module's notes
 OPEN_METHODS = frozenset({"ServerLive", "ServerReady", "ModelReady"})  # probes hold no key
 MAX_CONCURRENT_STREAMS = 128  # per HTTP/2 connection; --max-connections bounds all RPCs
+_SERVICE = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 
-Handler = Callable[[Any, Context, str], Awaitable[Any]]
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+ReqM = TypeVar("ReqM", bound=Message)
+RespM = TypeVar("RespM", bound=Message)
+
+Context: TypeAlias = grpc.aio.ServicerContext[Req, Resp]  # a call's, as grpc.aio passes it
+# A servicer's method: the request, its call's context, the request id (CallGuard's).
+Handler: TypeAlias = Callable[[Req, Context[Req, Resp], str], Awaitable[Resp]]
+# What grpc.aio calls: a handler wrapped by CallGuard.
+Behaviour: TypeAlias = Callable[[Req, Context[Req, Resp]], Awaitable[Resp]]
 
 
-def _metadata(context: Context) -> dict[str, str | bytes]:
-    return {key: value for key, value in context.invocation_metadata() or ()}
+def _metadata(sent: grpc.aio.Metadata | None) -> dict[str, str | bytes]:
+    return {key: value for key, value in sent or ()}
 
 
 def _request_id(metadata: dict[str, str | bytes]) -> str:
@@ -66,13 +74,13 @@ class CallGuard:
         self.metrics = metrics
         self.access = access
 
-    def wrap(self, method: str, handler: Handler) -> Callable[..., Awaitable[Any]]:
+    def wrap(self, method: str, handler: Handler[Req, Resp]) -> Behaviour[Req, Resp]:
         route = f"/{SERVICE}/{method}"
         guarded = method not in OPEN_METHODS
 
-        async def call(request: Any, context: Context) -> Any:
+        async def call(request: Req, context: Context[Req, Resp]) -> Resp:
             t0 = time.perf_counter()
-            metadata = _metadata(context)
+            metadata = _metadata(context.invocation_metadata())
             request_id = _request_id(metadata)
             status, key = 200, None
             context.set_trailing_metadata((("x-request-id", request_id),))  # sent with the status
@@ -107,11 +115,11 @@ class CallGuard:
                 self.metrics.requests.labels(route, str(status)).inc()
                 self.metrics.request_duration.labels(route).observe(elapsed)
                 if access_log.isEnabledFor(logging.INFO):
-                    _log_access(context, request_id, route, status, elapsed, key)
+                    _log_access(context.peer(), request_id, route, status, elapsed, key)
 
         return call
 
-    def _grant(self, metadata: dict[str, str | bytes]) -> Any:
+    def _grant(self, metadata: dict[str, str | bytes]) -> Grant:
         assert self.access is not None
         pairs = [
             (name.encode(), value.encode() if isinstance(value, str) else value)
@@ -128,8 +136,53 @@ class CallGuard:
         return grant
 
 
+class Methods:
+    """The servicer's handlers, each wrapped by the guard and checked against Triton's service
+    descriptor: a misspelt name or other message types would register a method no client can
+    call, so they fail at startup instead."""
+
+    def __init__(self, guard: CallGuard) -> None:
+        self.guard = guard
+        # grpc's own type for a service's table: its methods take and give different types.
+        self.handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+
+    def unary(
+        self, handler: Handler[ReqM, RespM], request: type[ReqM], response: type[RespM]
+    ) -> None:
+        """The method named as `handler` is: it gets the parsed request and returns the
+        response message."""
+        name = handler.__name__
+        self._check(name, request.DESCRIPTOR.full_name, response.DESCRIPTOR.full_name)
+        self.handlers[name] = grpc.unary_unary_rpc_method_handler(
+            self.guard.wrap(name, handler),
+            request_deserializer=request.FromString,
+            response_serializer=response.SerializeToString,
+        )
+
+    def raw(self, handler: Handler[bytes, bytes]) -> None:
+        """The method named as `handler` is, taking and returning serialized messages (the
+        pipeline parses ModelInfer in the decode pool, after admission)."""
+        name = handler.__name__
+        self._check(name)
+        self.handlers[name] = grpc.unary_unary_rpc_method_handler(self.guard.wrap(name, handler))
+
+    def _check(self, name: str, request: str | None = None, response: str | None = None) -> None:
+        method = _SERVICE.methods_by_name.get(name)
+        if method is None or method.client_streaming or method.server_streaming:
+            raise TypeError(f"{SERVICE} has no unary method {name!r}")
+        types = (method.input_type.full_name, method.output_type.full_name)
+        if request is not None and (request, response) != types:
+            raise TypeError(f"{name} takes {types[0]} and returns {types[1]}")
+
+
+class Servicer(Protocol):
+    """What `build_grpc_server` serves: the door registers each method it implements."""
+
+    def register(self, methods: Methods) -> None: ...
+
+
 def _log_access(
-    context: Context,
+    peer: str,
     request_id: str,
     route: str,
     status: int,
@@ -144,30 +197,25 @@ def _log_access(
         "status": status,
         "duration_ms": round(elapsed * 1000, 3),
         "items": None,
-        "client": context.peer(),
+        "client": peer,
         "key": key,
     }
     access_log.info("GRPC %s %d", route, status, extra={"fields": fields})
 
 
-def _message(name: str) -> type[Message]:
-    cls: type[Message] = getattr(service_pb2, name)
-    return cls
-
-
 def build_grpc_server(
     config: ServerConfig,
-    servicer: object,
+    servicer: Servicer,
     metrics: Metrics,
     access: Access | None,
     *,
     reuse_port: bool = False,
 ) -> tuple[grpc.aio.Server, int]:
-    """The server with every method `servicer` implements (others answer UNIMPLEMENTED, as
+    """The server with every method `servicer` registers (others answer UNIMPLEMENTED, as
     gRPC does), bound to --host:--grpc-port; and the port bound (for port 0 in tests).
     `reuse_port`: the front ends of --workers N bind the same port (the supervisor holds it)."""
     http, limits = config.http, config.limits
-    options: list[tuple[str, Any]] = [
+    options: list[tuple[str, int]] = [
         # The body limit, enforced by gRPC itself (RESOURCE_EXHAUSTED) before a byte is ours.
         ("grpc.max_receive_message_length", limits.max_body_bytes),
         ("grpc.max_send_message_length", -1),  # answers are a few embeddings
@@ -175,22 +223,10 @@ def build_grpc_server(
         ("grpc.so_reuseport", 1 if reuse_port else 0),
     ]
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=http.max_connections)
-    guard = CallGuard(metrics, access)
-    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
-    for method in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
-        handler = getattr(servicer, method.name, None)
-        if handler is None or method.client_streaming or method.server_streaming:
-            continue
-        wrapped = guard.wrap(method.name, handler)
-        if method.name in RAW_METHODS:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(wrapped)
-        else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                wrapped,
-                request_deserializer=_message(method.input_type.name).FromString,
-                response_serializer=_message(method.output_type.name).SerializeToString,
-            )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    methods = Methods(CallGuard(metrics, access))
+    servicer.register(methods)
+    generic = grpc.method_handlers_generic_handler(SERVICE, methods.handlers)
+    server.add_generic_rpc_handlers((generic,))
     address = f"{http.host}:{http.grpc_port}"
     if http.ssl_certfile is not None and http.ssl_keyfile is not None:
         check_tls(http)

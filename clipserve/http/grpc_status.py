@@ -8,6 +8,7 @@ retry hint gRPC's own retry policy reads (HTTP's Retry-After); 500s stay opaque,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import grpc
 
@@ -41,6 +42,13 @@ CODES: dict[type[errors.ClipserveError], grpc.StatusCode] = {
 RETRY_PUSHBACK = "retry-pushback-ms"
 
 
+@runtime_checkable
+class RetryLater(Protocol):
+    """An error with a retry hint (Overloaded, RateLimited, NotReady, ...)."""
+
+    retry_after_s: int
+
+
 @dataclass(frozen=True)
 class GrpcError:
     code: grpc.StatusCode
@@ -56,8 +64,7 @@ def grpc_error(error: BaseException) -> GrpcError:
     code = next((CODES[c] for c in type(error).__mro__ if c in CODES), None)
     if code is None:
         return GrpcError(grpc.StatusCode.INTERNAL, "internal error")
-    retry_after = getattr(error, "retry_after_s", None)
     trailing: tuple[tuple[str, str], ...] = ()
-    if retry_after is not None:
-        trailing = ((RETRY_PUSHBACK, str(int(retry_after * 1000))),)
+    if isinstance(error, RetryLater):
+        trailing = ((RETRY_PUSHBACK, str(int(error.retry_after_s * 1000))),)
     return GrpcError(code, error.message, trailing)

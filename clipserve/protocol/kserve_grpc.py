@@ -12,7 +12,7 @@ and errors are the HTTP codec's (`kserve.read_input`), word for word.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from clipserve.batching.tower import TowerKind
 
 
-def parameters(params: Mapping[str, Any]) -> dict[str, object]:
+def parameters(params: Mapping[str, pb.InferParameter]) -> dict[str, object]:
     """An `InferParameter` map as plain Python values (as HTTP's JSON gives them)."""
     values: dict[str, object] = {}
     for key, param in params.items():
@@ -51,7 +51,7 @@ def parameters(params: Mapping[str, Any]) -> dict[str, object]:
     return values
 
 
-def _typed(datatype: str, contents: Any, what: str) -> bytes:
+def _typed(datatype: str, contents: pb.InferTensorContents, what: str) -> bytes:
     """Typed `contents` as the bytes raw contents would hold."""
     if datatype == "BYTES":
         return serialize_bytes(list(contents.bytes_contents))
@@ -65,7 +65,7 @@ def _typed(datatype: str, contents: Any, what: str) -> bytes:
     raise InvalidTensor(f"{what}: {datatype} data must come as raw_input_contents")
 
 
-def _outputs(message: Any, output: str) -> list[RequestedOutput]:
+def _outputs(message: pb.ModelInferRequest, output: str) -> list[RequestedOutput]:
     types = output_types(output)
     if not message.outputs:  # none named: the FP32 embedding
         return [RequestedOutput(output, types[output], True)]
@@ -178,5 +178,4 @@ def encode_model_infer(
         if output.region.offset:
             tensor.parameters[OFFSET].int64_param = output.region.offset
         response.raw_output_contents.append(b"")
-    serialized: bytes = response.SerializeToString()
-    return serialized
+    return response.SerializeToString()

@@ -11,20 +11,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic
 
-import grpc
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 
 from clipserve import __version__
-from clipserve.batching.tower import TowerKind
+from clipserve.batching.tower import TicketT, TowerKind
 from clipserve.config import LimitsConfig
 from clipserve.errors import InvalidBody, PayloadTooLarge, Unsupported
 from clipserve.http import health, stats
 from clipserve.http.cache_keys import reads_cache
 from clipserve.http.doors.kserve import serving_of, work_of
 from clipserve.http.doors.kserve_shm import CUDA_UNSUPPORTED
+from clipserve.http.grpc_server import Context, Methods
 from clipserve.http.names import KServeModel, resolve_model
 from clipserve.http.pipeline import Pipeline, Serving
 from clipserve.http.request import BodyBudget, RequestContext
@@ -35,8 +35,6 @@ from clipserve.protocol import kserve_grpc as grpc_codec
 from clipserve.protocol import triton_model
 from clipserve.protocol.kserve import InferRequest
 from clipserve.protocol.shm import ReadRegion, WriteRegion
-
-Context = grpc.aio.ServicerContext[Any, Any]  # the call's context, as every handler gets it
 
 
 def _varint(body: bytes, at: int) -> tuple[int, int]:
@@ -86,7 +84,7 @@ class GrpcExchange:
 
     deadline_name = "the gRPC deadline"
 
-    def __init__(self, context: Context, request_id: str, message: bytes) -> None:
+    def __init__(self, context: Context[bytes, bytes], request_id: str, message: bytes) -> None:
         self.context = context
         self.request_id = request_id
         self.timer = StageTimer()
@@ -157,36 +155,102 @@ class GrpcInfer:
         return Encoded(content, "application/grpc")
 
 
-class InferenceServicer:
+class InferenceServicer(Generic[TicketT]):
     """Every method of Triton's service clipserve serves; `grpc_server.build_grpc_server`
     wraps each (request id, keys, metrics, errors as gRPC statuses)."""
 
-    def __init__(self, pipeline: Pipeline[Any]) -> None:
+    def __init__(self, pipeline: Pipeline[TicketT]) -> None:
         self.pipeline = pipeline
+
+    def register(self, methods: Methods) -> None:
+        """Each method under its own name, with Triton's message types for it."""
+        m = methods
+        m.unary(self.ServerLive, pb.ServerLiveRequest, pb.ServerLiveResponse)
+        m.unary(self.ServerReady, pb.ServerReadyRequest, pb.ServerReadyResponse)
+        m.unary(self.ModelReady, pb.ModelReadyRequest, pb.ModelReadyResponse)
+        m.unary(self.ServerMetadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse)
+        m.unary(self.ModelMetadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse)
+        m.raw(self.ModelInfer)  # bytes: parsed in the decode pool, after admission
+        m.unary(self.ModelConfig, pb.ModelConfigRequest, pb.ModelConfigResponse)
+        m.unary(self.ModelStatistics, pb.ModelStatisticsRequest, pb.ModelStatisticsResponse)
+        m.unary(self.RepositoryIndex, pb.RepositoryIndexRequest, pb.RepositoryIndexResponse)
+        m.unary(
+            self.SystemSharedMemoryRegister,
+            pb.SystemSharedMemoryRegisterRequest,
+            pb.SystemSharedMemoryRegisterResponse,
+        )
+        m.unary(
+            self.SystemSharedMemoryStatus,
+            pb.SystemSharedMemoryStatusRequest,
+            pb.SystemSharedMemoryStatusResponse,
+        )
+        m.unary(
+            self.SystemSharedMemoryUnregister,
+            pb.SystemSharedMemoryUnregisterRequest,
+            pb.SystemSharedMemoryUnregisterResponse,
+        )
+        m.unary(
+            self.CudaSharedMemoryRegister,
+            pb.CudaSharedMemoryRegisterRequest,
+            pb.CudaSharedMemoryRegisterResponse,
+        )
+        m.unary(
+            self.CudaSharedMemoryStatus,
+            pb.CudaSharedMemoryStatusRequest,
+            pb.CudaSharedMemoryStatusResponse,
+        )
+        m.unary(
+            self.CudaSharedMemoryUnregister,
+            pb.CudaSharedMemoryUnregisterRequest,
+            pb.CudaSharedMemoryUnregisterResponse,
+        )
 
     def _model(self, name: str, version: str) -> tuple[str, KServeModel]:
         return resolve_model(self.pipeline.names, name, version)
 
-    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any, rid: str) -> Any:
+    async def ServerLive(
+        self,
+        request: pb.ServerLiveRequest,
+        context: Context[pb.ServerLiveRequest, pb.ServerLiveResponse],
+        rid: str,
+    ) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=health.liveness(self.pipeline.towers).ok)
 
-    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any, rid: str) -> Any:
+    async def ServerReady(
+        self,
+        request: pb.ServerReadyRequest,
+        context: Context[pb.ServerReadyRequest, pb.ServerReadyResponse],
+        rid: str,
+    ) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.pipeline.readiness().ok)
 
-    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any, rid: str) -> Any:
+    async def ModelReady(
+        self,
+        request: pb.ModelReadyRequest,
+        context: Context[pb.ModelReadyRequest, pb.ModelReadyResponse],
+        rid: str,
+    ) -> pb.ModelReadyResponse:
         _, model = self._model(request.name, request.version)
         ready = health.tower_ready(self.pipeline.towers[model.tower])
         return pb.ModelReadyResponse(ready=ready)
 
     async def ServerMetadata(
-        self, request: pb.ServerMetadataRequest, context: Any, rid: str
-    ) -> Any:
+        self,
+        request: pb.ServerMetadataRequest,
+        context: Context[pb.ServerMetadataRequest, pb.ServerMetadataResponse],
+        rid: str,
+    ) -> pb.ServerMetadataResponse:
         doc = codec.server_metadata()
         return pb.ServerMetadataResponse(
             name=doc["name"], version=__version__, extensions=doc["extensions"]
         )
 
-    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any, rid: str) -> Any:
+    async def ModelMetadata(
+        self,
+        request: pb.ModelMetadataRequest,
+        context: Context[pb.ModelMetadataRequest, pb.ModelMetadataResponse],
+        rid: str,
+    ) -> pb.ModelMetadataResponse:
         name, model = self._model(request.name, request.version)
         doc = codec.model_metadata(name, model, *self._shape())
         return json_format.ParseDict(doc, pb.ModelMetadataResponse())
@@ -195,14 +259,22 @@ class InferenceServicer:
         model = self.pipeline.runtime.model
         return model.preprocess.size, model.embed_dim, self.pipeline.names.output
 
-    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any, rid: str) -> Any:
+    async def ModelConfig(
+        self,
+        request: pb.ModelConfigRequest,
+        context: Context[pb.ModelConfigRequest, pb.ModelConfigResponse],
+        rid: str,
+    ) -> pb.ModelConfigResponse:
         name, model = self._model(request.name, request.version)
         config = triton_model.model_config(name, model, serving_of(self.pipeline))
         return pb.ModelConfigResponse(config=config)
 
     async def ModelStatistics(
-        self, request: pb.ModelStatisticsRequest, context: Any, rid: str
-    ) -> Any:
+        self,
+        request: pb.ModelStatisticsRequest,
+        context: Context[pb.ModelStatisticsRequest, pb.ModelStatisticsResponse],
+        rid: str,
+    ) -> pb.ModelStatisticsResponse:
         if request.name:
             name, model = self._model(request.name, request.version)
             models = [(name, model.tower)]
@@ -211,8 +283,11 @@ class InferenceServicer:
         return stats.model_statistics(self.pipeline.metrics, models)
 
     async def RepositoryIndex(
-        self, request: pb.RepositoryIndexRequest, context: Any, rid: str
-    ) -> Any:
+        self,
+        request: pb.RepositoryIndexRequest,
+        context: Context[pb.RepositoryIndexRequest, pb.RepositoryIndexResponse],
+        rid: str,
+    ) -> pb.RepositoryIndexResponse:
         towers = self.pipeline.towers
         ready = {kind: health.tower_ready(tower) for kind, tower in towers.items()}
         models = {n: ready[m.tower] for n, m in self.pipeline.names.kserve_models().items()}
@@ -220,12 +295,24 @@ class InferenceServicer:
             {"models": codec.repository_index(models)}, pb.RepositoryIndexResponse()
         )
 
-    async def SystemSharedMemoryRegister(self, request: Any, context: Any, rid: str) -> Any:
+    async def SystemSharedMemoryRegister(
+        self,
+        request: pb.SystemSharedMemoryRegisterRequest,
+        context: Context[
+            pb.SystemSharedMemoryRegisterRequest, pb.SystemSharedMemoryRegisterResponse
+        ],
+        rid: str,
+    ) -> pb.SystemSharedMemoryRegisterResponse:
         regions = self.pipeline.regions
         regions.register(request.name, request.key, request.offset, request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
-    async def SystemSharedMemoryStatus(self, request: Any, context: Any, rid: str) -> Any:
+    async def SystemSharedMemoryStatus(
+        self,
+        request: pb.SystemSharedMemoryStatusRequest,
+        context: Context[pb.SystemSharedMemoryStatusRequest, pb.SystemSharedMemoryStatusResponse],
+        rid: str,
+    ) -> pb.SystemSharedMemoryStatusResponse:
         response = pb.SystemSharedMemoryStatusResponse()
         for region in self.pipeline.regions.status(request.name or None):
             response.regions[region.name].CopyFrom(
@@ -233,20 +320,44 @@ class InferenceServicer:
             )
         return response
 
-    async def SystemSharedMemoryUnregister(self, request: Any, context: Any, rid: str) -> Any:
+    async def SystemSharedMemoryUnregister(
+        self,
+        request: pb.SystemSharedMemoryUnregisterRequest,
+        context: Context[
+            pb.SystemSharedMemoryUnregisterRequest, pb.SystemSharedMemoryUnregisterResponse
+        ],
+        rid: str,
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
         self.pipeline.regions.unregister(request.name or None)
         return pb.SystemSharedMemoryUnregisterResponse()
 
-    async def CudaSharedMemoryRegister(self, request: Any, context: Any, rid: str) -> Any:
+    async def CudaSharedMemoryRegister(
+        self,
+        request: pb.CudaSharedMemoryRegisterRequest,
+        context: Context[pb.CudaSharedMemoryRegisterRequest, pb.CudaSharedMemoryRegisterResponse],
+        rid: str,
+    ) -> pb.CudaSharedMemoryRegisterResponse:
         raise Unsupported(CUDA_UNSUPPORTED)
 
-    async def CudaSharedMemoryStatus(self, request: Any, context: Any, rid: str) -> Any:
+    async def CudaSharedMemoryStatus(
+        self,
+        request: pb.CudaSharedMemoryStatusRequest,
+        context: Context[pb.CudaSharedMemoryStatusRequest, pb.CudaSharedMemoryStatusResponse],
+        rid: str,
+    ) -> pb.CudaSharedMemoryStatusResponse:
         return pb.CudaSharedMemoryStatusResponse()
 
-    async def CudaSharedMemoryUnregister(self, request: Any, context: Any, rid: str) -> Any:
+    async def CudaSharedMemoryUnregister(
+        self,
+        request: pb.CudaSharedMemoryUnregisterRequest,
+        context: Context[
+            pb.CudaSharedMemoryUnregisterRequest, pb.CudaSharedMemoryUnregisterResponse
+        ],
+        rid: str,
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
         return pb.CudaSharedMemoryUnregisterResponse()
 
-    async def ModelInfer(self, body: bytes, context: Context, rid: str) -> bytes:
+    async def ModelInfer(self, body: bytes, context: Context[bytes, bytes], rid: str) -> bytes:
         pipeline = self.pipeline
         name, model = self._model(*peek_model(body))
         limits, output, regions = pipeline.config.limits, pipeline.names.output, pipeline.regions
