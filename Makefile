@@ -67,3 +67,10 @@ perf-analyzer-env: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .perf-analyzer
+
+# The images built and run on this host (10-20 min; docker/test.sh says what it checks) into
+# bench/results/docker-test.json and .log. Exits 0 with SKIPPED where no Docker engine answers.
+# DOCKER=/path/to/docker picks the client (it needs BuildKit: buildx, or one before 23).
+.PHONY: docker-test
+docker-test:
+	docker/test.sh
