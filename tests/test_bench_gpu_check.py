@@ -1,16 +1,33 @@
-"""`python -m bench.gpu_check`: its CPU mode end to end (slow), and how it records sections that
-fail or do not fit the budget."""
+"""`python -m bench.gpu_check`: its CPU mode end to end (slow), how it records sections that
+fail or do not fit the budget, and the pipelined section (launch/wait and the worker against
+run()), in-process over the fake's simulated stream and as a section over the tiny model."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+
+from bench.gpu_check.pipelined import (
+    DEPTHS,
+    MIN_BATCHES,
+    MIN_COSINE,
+    check_launch_wait,
+    min_cosine,
+    time_launch_wait,
+    time_worker,
+)
+from clipserve.backends.fake import FakeExecutor
+from tests.helpers import SPEC_32, marked_array
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,6 +85,7 @@ def test_cpu_quick_run_end_to_end(tmp_path: Path) -> None:
         "env",
         "gpu-tests",
         "executor:torch",
+        "pipelined:torch",
         "decoders",
         "served:tensor-d2",
         "served:jpeg",
@@ -89,3 +107,132 @@ def test_cpu_quick_run_end_to_end(tmp_path: Path) -> None:
     summary = doc["summary"]
     assert summary["served_jpeg_images_per_s"] == sections["served:jpeg"]["result"]["images_per_s"]
     assert set(summary["targets"]) == {"engine_fp16", "device_busy", "served_tensor", "served_jpeg"}
+
+
+class CountingFake(FakeExecutor):
+    """The fake's simulated stream, counting the batches launched and not yet waited for."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(SPEC_32, 16, stream=True, **options)
+        self.in_flight = self.most_in_flight = 0
+        self.counting = threading.Lock()  # launch and wait run on different threads
+
+    def launch(self, arrays: Sequence[np.ndarray], normalize: np.ndarray) -> object:
+        with self.counting:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        return super().launch(arrays, normalize)
+
+    def wait(self, launched: object) -> np.ndarray:
+        try:
+            return super().wait(launched)
+        finally:
+            with self.counting:
+                self.in_flight -= 1
+
+
+class StaleRowsFake(CountingFake):
+    """Hands every batch the rows of the first batch launched: a staging slot reused too
+    early, as the check must catch."""
+
+    first: np.ndarray | None = None
+
+    def wait(self, launched: object) -> np.ndarray:
+        rows = super().wait(launched)
+        if self.first is None:
+            self.first = rows
+        return self.first.copy()
+
+
+def batches(count: int, size: int) -> list[list[np.ndarray]]:
+    return [[marked_array(10 * b + i + 1) for i in range(size)] for b in range(count)]
+
+
+@pytest.fixture
+def threads() -> Iterator[tuple[ThreadPoolExecutor, ThreadPoolExecutor]]:
+    device, waiter = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+    yield device, waiter
+    device.shutdown()
+    waiter.shutdown()
+
+
+def test_launch_wait_rows_are_checked_against_run(
+    threads: tuple[ThreadPoolExecutor, ThreadPoolExecutor],
+) -> None:
+    good, stale = CountingFake(), StaleRowsFake()
+    try:
+        assert check_launch_wait(good, *threads, batches(3, 4)) >= MIN_COSINE
+        assert good.most_in_flight == 3  # all launched before any was waited for
+        assert check_launch_wait(stale, *threads, batches(3, 4)) < 0.99
+    finally:
+        good.close()
+        stale.close()
+
+
+def test_a_row_that_is_not_finite_fails_the_floor() -> None:
+    rows = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    assert min_cosine(rows, 2 * rows) == pytest.approx(1.0)
+    broken = rows.copy()
+    broken[1, 0] = np.nan
+    assert min_cosine(broken, rows) == -1.0 and min_cosine(rows, broken) == -1.0
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_launch_wait_keeps_depth_batches_in_flight(
+    depth: int, threads: tuple[ThreadPoolExecutor, ThreadPoolExecutor]
+) -> None:
+    fake = CountingFake(latency_ms=5)
+    device, waiter = threads
+    try:
+        batch = batches(1, 4)[0]
+        timing = device.submit(time_launch_wait, fake, batch, depth, 0.05, waiter).result()
+    finally:
+        fake.close()
+    assert fake.most_in_flight == depth and fake.in_flight == 0
+    assert len(timing.latencies) >= MIN_BATCHES and timing.images == 4 * len(timing.latencies)
+    assert fake.items_run == timing.images and timing.images_per_s > 0
+
+
+def test_the_worker_row_pipelines_and_answers_every_batch(
+    threads: tuple[ThreadPoolExecutor, ThreadPoolExecutor],
+) -> None:
+    fake = CountingFake(latency_ms=5)
+    batch = batches(1, 4)[0]
+    try:
+        timing, kept, rows = time_worker(fake, threads[0], batch, 2, 0.05)
+    finally:
+        fake.close()
+    assert kept == 2 and fake.most_in_flight == 2
+    assert len(timing.latencies) >= MIN_BATCHES and fake.items_run == timing.images
+    expected = fake.features(np.stack(batch)) @ fake._proj
+    expected /= np.linalg.norm(expected, axis=1, keepdims=True)
+    np.testing.assert_allclose(rows, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_pipelined_section_on_the_cpu(tmp_path: Path) -> None:
+    code, doc = gpu_check(tmp_path, "--quick", "--only", "pipelined", timeout=300)
+    assert code == 0, doc["sections"]
+    assert list(doc["sections"]) == ["pipelined:torch"]
+    section = doc["sections"]["pipelined:torch"]
+    assert section["status"] == "ok" and section["limit_s"] == doc["budget_s"] - 5
+    result = section["result"]
+    assert result["device"] == "cpu" and result["asynchronous"] is False
+    check = result["check"]
+    assert check["passed"] and set(check["min_cosine"]) == {"4", "16"}
+    assert min(check["min_cosine"].values()) >= MIN_COSINE
+    assert min(check["worker_min_cosine"].values()) >= MIN_COSINE
+    modes = {(r["batch"], r["mode"], r["depth"]) for r in result["rows"]}
+    expected = {(n, "run", 1) for n in (4, 16)}
+    expected |= {(n, m, k) for n in (4, 16) for m in ("launch_wait", "worker") for k in DEPTHS}
+    assert modes == expected and len(result["rows"]) == len(expected)
+    for row in result["rows"]:
+        rate, latency = row["images_per_s"], row["latency_ms"]
+        assert 0 < rate["min"] <= rate["median"] <= rate["max"]
+        assert 0 < latency["min"] <= latency["median"] <= latency["max"]
+        assert row["batches"] >= result["rounds"] * MIN_BATCHES
+        if row["mode"] == "run":
+            assert row["vs_run"] == {"median": 1.0, "min": 1.0, "max": 1.0}
+        if row["mode"] == "worker":  # the CPU's worker is synchronous whatever the depth
+            assert row["effective_depth"] == 1
+    summary = doc["summary"]["pipelined_vs_run"]["torch"]
+    assert set(summary["vs_run"]) == {"4", "16"} and summary["min_cosine"] >= MIN_COSINE

@@ -11,6 +11,12 @@ whatever it measured so far, and the run goes on):
                     and executor tests again under TORCH_CUDA_SANITIZER=1
   executor:<name>   offline sweep, batch 1..1024, FP16: torch eager, torch.compile, cuda-graphs,
                     ort-cuda, ort-trt (where onnxruntime-gpu lists their providers)
+  pipelined:<name>  torch FP16, torch FP32, cuda-graphs (the CPU: torch): run() one batch at a
+                    time against launch/wait with K = 1, 2, 3 batches in flight and the
+                    pipelined worker in-process at --pipeline-depth K; images/s, per-batch
+                    latency and the ratio to run() (medians of interleaved rounds, min-max),
+                    batches of 16, 64, 256; launch/wait's and the worker's rows against run()'s
+                    (cosine >= 0.9999, or the section fails)
   decoders          nvJPEG (inference/gpu_decode.py) against Pillow per core, 640x480 JPEGs; one
                     batch over 2^27 pixels (chunked) checked row by row against single decodes;
                     the corrupt JPEG corpus (tests/inference/corrupt_jpeg.py), each refused
@@ -48,6 +54,7 @@ bench/results/ before the next call (a section left out by the budget is listed 
     # copy it to bench/results/gpu-check-h100.json, then, in the second call:
     ... python3 -m bench.gpu_check --only executor:cuda-graphs,decoders,served \\
       --budget-s 570 --merge bench/results/gpu-check-h100.json --out $OUT/gpu-check.json
+    # and a third call the same way for --only pipelined (three sections, 150 s limits)
 
 clipserve itself runs from the working tree (the repository root is the working directory).
 """

@@ -69,12 +69,30 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         "device_busy": max(busy) if busy else "not available",
         "served_tensor_images_per_s": {n: r.get("images_per_s") for n, r in tensor.items()},
         "served_jpeg_images_per_s": ok("served:jpeg").get("images_per_s"),
+        "pipelined_vs_run": {
+            n.split(":", 1)[1]: pipelined_summary(ok(n))
+            for n in results
+            if n.startswith("pipelined:")
+        },
         "device_decoder_in_pillow_cores": ok("decoders").get("device_in_pillow_cores"),
         "gpu_tests": {
             k: ok("gpu-tests").get(k) for k in ("tests", "failures", "errors", "skipped")
         },
         "targets": TARGETS,
     }
+
+
+def pipelined_summary(result: dict[str, Any]) -> dict[str, Any]:
+    """Per batch size, the best launch/wait and worker rate over run()'s (medians of rounds'
+    ratios, over depths), and the worst cosine of their rows against run()'s."""
+    best: dict[str, dict[str, float]] = {}
+    for row in result.get("rows", []):
+        if row["mode"] != "run":
+            per_size = best.setdefault(str(row["batch"]), {})
+            per_size[row["mode"]] = max(per_size.get(row["mode"], 0.0), row["vs_run"]["median"])
+    check = result.get("check", {})
+    cosines = [*check.get("min_cosine", {}).values(), *check.get("worker_min_cosine", {}).values()]
+    return {"vs_run": best, "min_cosine": min(cosines) if cosines else None}
 
 
 def slug(text: str) -> str:

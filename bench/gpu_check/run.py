@@ -19,6 +19,7 @@ from bench.common import REPO
 from bench.gpu_check.decoders import section_decoders
 from bench.gpu_check.engine import executor_variants, section_executor
 from bench.gpu_check.host import section_env, section_gpu_tests
+from bench.gpu_check.pipelined import pipelined_variants, section_pipelined
 from bench.gpu_check.plan import Emit, Plan
 from bench.gpu_check.served import section_served
 
@@ -31,6 +32,8 @@ def sections(plan: Plan) -> list[tuple[str, float]]:
     # gpu-tests runs the decode tests a second time under TORCH_CUDA_SANITIZER=1 on CUDA.
     out = [("env", 60.0), ("gpu-tests", 300.0 if plan.cuda else 180.0)]
     out += [(f"executor:{v}", slow.get(v, 150.0)) for v in executor_variants(plan)]
+    # run() against launch/wait at depths 1-3 and the worker: 3 sizes x 7 modes x 4 windows.
+    out += [(f"pipelined:{v}", 150.0) for v in pipelined_variants(plan)]
     out.append(("decoders", 180.0))
     out += [(f"served:tensor-d{d}", 150.0) for d in plan.depths]
     out.append(("served:jpeg", 150.0))
@@ -45,6 +48,8 @@ def run_section(name: str, plan: Plan, emit: Emit) -> dict[str, Any]:
         return section_gpu_tests(plan, emit)
     if kind == "executor":
         return section_executor(plan, emit, arg)
+    if kind == "pipelined":
+        return section_pipelined(plan, emit, arg)
     if kind == "decoders":
         return section_decoders(plan, emit)
     if kind == "served":
