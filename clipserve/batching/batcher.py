@@ -8,13 +8,15 @@ import time
 from asyncio import Future
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from operator import attrgetter, sub
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from clipserve.backends.base import Executor
 from clipserve.batching.cache import EmbeddingCache, Flight
-from clipserve.batching.queue import Admission, BatchQueue, Ticket, WorkItem
+from clipserve.batching.queue import Admission, BatchQueue, Gathering, Ticket, WorkItem
 from clipserve.batching.tower import Completed, TowerKind
 from clipserve.batching.worker import DeviceWorker
 from clipserve.config import BatchingConfig
@@ -95,7 +97,10 @@ class Batcher:
 
     @property
     def alive(self) -> bool:
-        return any(w.alive for w in self.workers)
+        for worker in self.workers:  # noqa: SIM110 (asked for every request: no generator)
+            if worker.alive:
+                return True
+        return False
 
     @property
     def all_alive(self) -> bool:
@@ -109,13 +114,16 @@ class Batcher:
         seconds of one batch of the size they would run), from each worker's measured costs.
         O(workers): nothing here looks at the queue."""
         live = [w for w in self.workers if w.alive]
-        measured = [w.cost for w in live if w.cost.ready]
-        if not measured or n <= 0:
+        if not live or n <= 0:
             return 0.0, 0.0, 0.0
         size = min(self.max_batch_size, math.ceil(n / len(live)))
-        # A worker not measured yet is assumed to be as fast as the average measured one.
-        default = sum(c.seconds(size) for c in measured) / len(measured)
-        batch_s = [w.cost.seconds(size) if w.cost.ready else default for w in live]
+        batch_s = [w.cost.seconds(size) if w.cost.ready else -1.0 for w in live]
+        measured = [s for s in batch_s if s >= 0]
+        if not measured:
+            return 0.0, 0.0, 0.0
+        if len(measured) < len(batch_s):  # unmeasured: as fast as the average measured one
+            default = sum(measured) / len(measured)
+            batch_s = [s if s >= 0 else default for s in batch_s]
         rate = sum(size / s for s in batch_s if s > 0)  # images per second, all workers
         if rate <= 0:
             return 0.0, 0.0, 0.0
@@ -195,46 +203,63 @@ class Batcher:
         if not self.alive:
             raise NotReady("no executor worker is alive")
         deadline = ticket.deadline if deadline is None else deadline
-        cache = self.cache if keys is not None else None
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
-        sources: list[np.ndarray | Flight] = []
-        flying: list[WorkItem] = []
-        for i, array in enumerate(arrays):
-            key = keys[i] if keys is not None else None
-            source = None
-            if cache is not None and key is not None:
-                source = cache.join(key, self.kind, deadline, fresh)
-            if source is None:
-                future = loop.create_future()
-                item = WorkItem(
-                    array, normalize, request_id, future, ticket.split(1), now, deadline
+        gathering = Gathering(loop.create_future(), len(arrays))
+        flights: list[Flight] = []  # keyed items this request waits on, its own or joined
+        if self.cache is None or keys is None:  # one ticket: each item releases its place
+            shared = ticket.split(len(arrays))
+            future = loop.create_future
+            ours = [
+                WorkItem(
+                    array, normalize, request_id, future(), shared, now, deadline, gathering, i
                 )
-                source = Flight(item, key if cache is not None else None)
-                if cache is not None and key is not None:
-                    cache.take_off(source, self.kind)
-                flying.append(item)
-            sources.append(source)
-        ticket.release(len(arrays) - len(flying))  # answered or merged: no place of their own
-        waits = [s for s in sources if isinstance(s, Flight)]
+                for i, array in enumerate(arrays)
+            ]
+        else:
+            ours = []
+            for index, (array, key) in enumerate(zip(arrays, keys, strict=True)):
+                source = self.cache.join(key, self.kind, deadline, fresh)
+                if isinstance(source, np.ndarray):
+                    gathering.landed(index, source)
+                    continue
+                if source is None:  # its own place: others may come to wait for it too
+                    item = WorkItem(
+                        array,
+                        normalize,
+                        request_id,
+                        loop.create_future(),
+                        ticket.split(1),
+                        now,
+                        deadline,
+                        gathering=gathering,
+                        index=index,
+                    )
+                    source = Flight(item, key)
+                    self.cache.take_off(source, self.kind)
+                    ours.append(item)
+                else:
+                    source.item.future.add_done_callback(partial(gathering.joined, index))
+                flights.append(source)
+            ticket.release(len(arrays) - len(ours))  # answered or joined: no place of their own
         try:
-            if flying:
-                await self.queue.put(flying)
-            rows = await asyncio.gather(*(asyncio.shield(f.item.future) for f in waits))
+            if ours:
+                await self.queue.put(ours)
+            if gathering.pending:
+                await gathering.future
         except BaseException as exc:
-            reading = self._leave(waits, flying)
+            reading = self._leave(flights, ours)
             if reading:  # our arrays (slots, in the engine) must outlive every read of them
                 await asyncio.wait(reading)
-            if isinstance(exc, ITEM_ERRORS) and len(sources) > 1:
-                index = next(i for i, s in enumerate(sources) if _failed_with(s, exc))
-                raise with_item_index(exc, index) from None
+            if isinstance(exc, ITEM_ERRORS) and len(arrays) > 1 and gathering.failed >= 0:
+                raise with_item_index(exc, gathering.failed) from None
             raise
-        computed = iter(rows)
-        items = [f.item for f in waits]
+        items = [f.item for f in flights] if flights else ours
+        rows = gathering.rows
         return Completed(
-            np.stack([next(computed) if isinstance(s, Flight) else s for s in sources]),
-            queue_s=max((item.started_at - item.enqueued_at for item in items), default=0.0),
-            compute_s=max((item.finished_at - item.started_at for item in items), default=0.0),
+            rows if rows is not None else np.empty((0, 0), np.float32),
+            queue_s=max(map(sub, map(_started, items), map(_enqueued, items)), default=0.0),
+            compute_s=max(map(sub, map(_finished, items), map(_started, items)), default=0.0),
         )
 
     def _leave(self, flights: Sequence[Flight], ours: Sequence[WorkItem]) -> list[Future[Any]]:
@@ -243,19 +268,20 @@ class Batcher:
         its array is this request's (`ours`), which its caller may reuse once `run` returns
         (the engine's slots), it gets a copy, or, already computing, is returned: the caller
         waits until it is done."""
-        own = {id(item) for item in ours}
         unstarted: list[WorkItem] = []
         reading: list[Future[Any]] = []
+        if not flights:  # no keys: every item is this request's alone
+            for item in ours:
+                if not item.future.done():
+                    _drop(item, unstarted)
+        own = {id(item) for item in ours} if flights else set()
         for flight in flights:
             flight.waiters -= 1
             item = flight.item
             if item.future.done():
                 continue
             if flight.waiters == 0:
-                item.future.cancel()  # its outcome is never read, nor cached
-                if not item.started_at:
-                    item.ticket.release_all()
-                    unstarted.append(item)
+                _drop(item, unstarted)  # its outcome is never read, nor cached
                 if self.cache is not None:
                     self.cache.abandon(flight)
             elif id(item) in own:
@@ -267,16 +293,22 @@ class Batcher:
         return reading
 
 
+# Item timings read in C over a request's items (no generator per request).
+_started = attrgetter("started_at")
+_enqueued = attrgetter("enqueued_at")
+_finished = attrgetter("finished_at")
+
+
+def _drop(item: WorkItem, unstarted: list[WorkItem]) -> None:
+    item.future.cancel()
+    if not item.started_at:
+        item.ticket.release_all()
+        unstarted.append(item)
+
+
 # Errors of one item's own input (a NaN row; with --decode gpu, an image the device worker could
 # not decode): in a list, they name the item.
 ITEM_ERRORS = (NonFiniteEmbedding, InvalidImage, ImageTooLarge)
-
-
-def _failed_with(source: np.ndarray | Flight, exc: BaseException) -> bool:
-    if not isinstance(source, Flight):
-        return False
-    future = source.item.future
-    return future.done() and not future.cancelled() and future.exception() is exc
 
 
 def _retry_after(seconds: float) -> int:

@@ -24,6 +24,8 @@ MAX_SPLIT_DEPTH = 8
 LOST = "the device was lost before this image was computed; retry"
 # Rows the executor did not compute: the batch failed, or the device was lost under it.
 UNANSWERED = (ExecutorFailed, NotReady)
+# A place in a batch's outcome before its row or error is written; never answered with.
+_UNSET = ExecutorFailed("internal error")
 
 
 @dataclass
@@ -47,7 +49,7 @@ def compute(
     """Run `arrays` through `executor` on its device thread, rows L2-normalised where `mask` is
     true. `failed`: the batch already failed whole (launched asynchronously); start by splitting."""
     t0 = time.perf_counter()
-    outcome = Outcome([ExecutorFailed("internal error") for _ in arrays])
+    outcome = Outcome([_UNSET] * len(arrays))  # every place is written below
     if isinstance(failed, ExecutorFatal):
         outcome.fatal = failed
         failed = None
@@ -84,6 +86,9 @@ class _Bisection:
             assert failed is not None
             if stop - start == 1 or depth >= MAX_SPLIT_DEPTH:
                 outcome.errors.append(failed)
+                outcome.rows[start:stop] = [
+                    ExecutorFailed("internal error") for _ in range(start, stop)
+                ]
                 return
             mid = start + (stop - start) // 2
             outcome.retries += 2

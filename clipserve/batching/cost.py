@@ -19,6 +19,8 @@ class CostModel:
         self.mean_t = 0.0
         self.var_n = 0.0
         self.cov_nt = 0.0
+        self._base = 0.0  # the fitted line, t(n) = base + slope * n: seconds() is asked
+        self._slope = 0.0  # for every request, observe() runs once a batch
 
     @property
     def ready(self) -> bool:
@@ -32,16 +34,16 @@ class CostModel:
         self.mean_t += alpha * dt
         self.var_n = (1 - alpha) * (self.var_n + alpha * dn * dn)
         self.cov_nt = (1 - alpha) * (self.cov_nt + alpha * dn * dt)
+        proportional = self.mean_t / max(self.mean_n, 1.0)
+        if self.var_n < _MIN_SIZE_VARIANCE:
+            self._slope = proportional  # one size seen: assume the cost grows with it
+        else:
+            self._slope = min(max(self.cov_nt / self.var_n, 0.0), proportional)
+        self._base = self.mean_t - self._slope * self.mean_n
 
     def seconds(self, n: int) -> float:
         """Estimated time of a batch of n. The line goes through the mean batch, its slope kept
         between flat (a fixed cost only) and proportional (a per-item cost only): noise in a
-        narrow spread of sizes can never make it negative or steeper than the data allows."""
-        if not self.count:
-            return 0.0
-        proportional = self.mean_t / max(self.mean_n, 1.0)
-        if self.var_n < _MIN_SIZE_VARIANCE:
-            slope = proportional  # one size seen: assume the cost grows with it (pessimistic)
-        else:
-            slope = min(max(self.cov_nt / self.var_n, 0.0), proportional)
-        return max(self.mean_t + slope * (n - self.mean_n), 0.0)
+        narrow spread of sizes can never make it negative or steeper than the data allows.
+        0 until a batch has been measured."""
+        return max(self._base + self._slope * n, 0.0)

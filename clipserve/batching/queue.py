@@ -1,6 +1,8 @@
 """Work items, admission control and the queue batches are formed from.
 
-Everything here runs on the event loop; nothing blocks.
+Everything here runs on the event loop; nothing blocks. Putting and taking cost O(1) per item
+whatever the queue's length (`batching/lane.py`), and a request's items are answered into one
+array with one future for the request (`Gathering`).
 """
 
 from __future__ import annotations
@@ -8,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
+from clipserve.batching.lane import Lane, StackKey
 from clipserve.errors import Overloaded, RequestTimeout
 
 RECHECK_S = 0.002
@@ -78,7 +80,7 @@ class Ticket:
         other.held = 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class WorkItem:
     array: np.ndarray  # uint8 HWC, or normalised float CHW
     normalize: bool
@@ -86,17 +88,90 @@ class WorkItem:
     future: asyncio.Future[np.ndarray]
     ticket: Ticket
     enqueued_at: float  # time.perf_counter()
-    deadline: float | None = None  # time.perf_counter(); past it the item is dropped unstarted
+    # time.perf_counter(); past it the item is dropped unstarted. It only ever moves later
+    # (`batching/cache.py` extends it for a second waiter), which the queue's heaps rely on.
+    deadline: float | None = None
+    gathering: Gathering | None = None  # the request that made it, told when it is answered
+    index: int = 0  # its place in that request
     started_at: float = 0.0
     finished_at: float = 0.0
+    seq: int = 0  # arrival order in its queue
+    lane: Lane[WorkItem] | None = None  # where it waits; None once taken, dropped or never queued
 
     @property
-    def stack_key(self) -> tuple[str, tuple[int, ...]]:
+    def stack_key(self) -> StackKey:
         """Items with equal keys can be stacked into one batch: one dtype and shape. Encoded
         images of any length batch together (the device worker decodes them into crops first)."""
-        if is_encoded(self.array):
-            return ("encoded", ())
-        return (self.array.dtype.str, self.array.shape)
+        return _stack_key(self.array)
+
+
+class Gathering:
+    """One request's rows, written in place as its items are answered (`resolve`), and one
+    future for the whole request: no future, callback or task per item on the way back."""
+
+    __slots__ = ("failed", "future", "pending", "rows")
+
+    def __init__(self, future: asyncio.Future[None], n: int) -> None:
+        self.future = future
+        self.rows: np.ndarray | None = None  # (n, D), made when the first row lands
+        self.pending = n
+        self.failed = -1  # the index of the item whose error ended the request
+
+    def landed(self, index: int, result: np.ndarray | BaseException) -> None:
+        if self.future.done():
+            return
+        if isinstance(result, BaseException):
+            self.failed = index
+            self.future.set_exception(result)
+            return
+        rows = self.rows
+        if rows is None:
+            rows = self.rows = np.empty((self.pending, *result.shape), np.float32)
+        rows[index] = result
+        self.pending -= 1
+        if not self.pending:
+            self.future.set_result(None)
+
+    def joined(self, index: int, future: asyncio.Future[np.ndarray]) -> None:
+        """A done callback: an item another request made (`batching/cache.py`'s flights)."""
+        if not future.cancelled():
+            exc = future.exception()
+            self.landed(index, future.result() if exc is None else exc)
+
+
+def resolve(item: WorkItem, result: np.ndarray | BaseException) -> None:
+    """Answer an item, once: its future (read by the cache and by requests that joined it) and
+    the request that made it."""
+    future = item.future
+    if future.done():
+        return
+    gathering = item.gathering
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+        if gathering is not None:
+            future.exception()  # retrieved: its request raises it
+            gathering.landed(item.index, result)
+        return
+    future.set_result(result)
+    if gathering is None or gathering.future.done():
+        return
+    rows = gathering.rows  # Gathering.landed, inlined: this runs for every image
+    if rows is None:
+        rows = gathering.rows = np.empty((gathering.pending, *result.shape), np.float32)
+    rows[item.index] = result
+    gathering.pending -= 1
+    if not gathering.pending:
+        gathering.future.set_result(None)
+
+
+_ENCODED: StackKey = ("encoded", ())
+_UINT8 = np.dtype(np.uint8)
+
+
+def _stack_key(array: np.ndarray) -> StackKey:
+    if array.ndim == 1 and array.dtype == _UINT8:
+        return _ENCODED
+    return (array.dtype.str, array.shape)
 
 
 def _no_cost(n: int) -> float:
@@ -104,50 +179,93 @@ def _no_cost(n: int) -> float:
 
 
 class BatchQueue:
-    """FIFO of work items shared by every device worker of one model."""
+    """The work items shared by every device worker of one model, in one lane per stack key.
+    Taking a batch costs O(batch + items dropped), never O(queue)."""
 
     def __init__(
         self,
         on_expired: Callable[[int], None] = lambda n: None,
         admitted: Callable[[], int] = lambda: 0,
     ) -> None:
-        self._items: deque[WorkItem] = deque()
-        self._cond = asyncio.Condition()
+        self._lanes: dict[StackKey, Lane[WorkItem]] = {}
+        self._live = 0
+        self._seq = 0  # arrival order across lanes: the oldest item's lane goes first
+        self._waiters: list[asyncio.Future[None]] = []  # takers waiting for a put
         self.on_expired = on_expired  # told how many items were dropped for their deadline
         # Images admitted and not started: those queued here, and those still decoding.
         self.admitted = admitted
 
     def __len__(self) -> int:
-        return len(self._items)
+        return self._live
 
     async def put(self, items: Iterable[WorkItem]) -> None:
-        async with self._cond:
-            self._items.extend(items)
-            self._cond.notify_all()
+        self.put_nowait(items)
+
+    def put_nowait(self, items: Iterable[WorkItem]) -> None:
+        run: list[WorkItem] = []  # consecutive items of one key: one lane's share
+        key: StackKey | None = None
+        last: np.ndarray | None = None
+        for item in items:
+            array = item.array
+            # A request's arrays share a dtype and shape: its key is made once.
+            if last is None or array.dtype is not last.dtype or array.shape != last.shape:
+                k = _stack_key(array)
+                if k != key and run:
+                    self._extend(key, run)
+                    run = []
+                key = k
+            last = array
+            run.append(item)
+        if run:
+            self._extend(key, run)
+            self._wake()
+
+    def _extend(self, key: StackKey | None, items: list[WorkItem]) -> None:
+        assert key is not None
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = Lane(key)
+        self._seq = lane.extend(items, self._seq)
+        self._live += len(items)
 
     def discard(self, items: Iterable[WorkItem]) -> None:
         """Drop items that have not started (their request timed out, failed or went away)."""
-        gone = {id(item) for item in items}
-        self._items = deque(item for item in self._items if id(item) not in gone)
+        touched: dict[int, Lane[WorkItem]] = {}
+        for item in items:
+            lane = item.lane
+            if lane is not None:
+                lane.remove(item)
+                self._live -= 1
+                touched[id(lane)] = lane
+        for lane in touched.values():
+            self._tidy(lane)
 
     def fail_all(self, error: Exception) -> None:
-        while self._items:
-            item = self._items.popleft()
-            if not item.future.done():
-                item.future.set_exception(error)
+        lanes, self._lanes, self._live = self._lanes, {}, 0
+        for lane in lanes.values():
+            for item in list(lane):
+                item.lane = None
+                resolve(item, error)
 
-    def _prune(self) -> None:
-        while self._items and self._items[0].future.done():
-            self._items.popleft()
+    def _tidy(self, lane: Lane[WorkItem]) -> None:
+        if lane.live == 0:
+            if self._lanes.get(lane.key) is lane:
+                del self._lanes[lane.key]
+        else:
+            lane.compact()
 
-    def _live(self) -> int:
-        return sum(1 for item in self._items if not item.future.done())
+    def _oldest(self) -> tuple[Lane[WorkItem], WorkItem] | None:
+        best: tuple[Lane[WorkItem], WorkItem] | None = None
+        for lane in self._lanes.values():  # few: one per input kind and shape
+            head = lane.head()
+            if head is not None and (best is None or head.seq < best[1].seq):
+                best = (lane, head)
+        return best
 
     def _expire(self, items: list[WorkItem], why: str) -> None:
         for item in items:
             item.ticket.release(1)
-            if not item.future.done():
-                item.future.set_exception(RequestTimeout(why))
+            resolve(item, RequestTimeout(why))
         if items:
             self.on_expired(len(items))
 
@@ -160,42 +278,56 @@ class BatchQueue:
         a doomed item, which keeps its cost estimate measured rather than stuck at a value that
         refuses everything.
         """
-        self._prune()
-        if not self._items:
-            return []
         now = time.perf_counter()
-        key = self._items[0].stack_key
-        live = sum(1 for item in self._items if item.stack_key == key and not item.future.done())
-        finish_by = now + batch_seconds(min(max_n, live))
-        batch: list[WorkItem] = []
-        doomed: list[WorkItem] = []
         passed: list[WorkItem] = []
-        rest: deque[WorkItem] = deque()
-        for item in self._items:
-            if item.future.done():
-                continue
-            if item.deadline is not None and item.deadline <= now:
-                passed.append(item)
-            elif item.stack_key == key and item.deadline is not None and item.deadline < finish_by:
-                doomed.append(item)
-            elif len(batch) < max_n and item.stack_key == key:
-                batch.append(item)
-            else:
-                rest.append(item)
-        if batch:
-            self._expire(doomed, "deadline too close to compute the request in time")
-        else:
-            batch = doomed[:max_n]
-            rest.extendleft(reversed(doomed[max_n:]))
+        for lane in list(self._lanes.values()):
+            passed += lane.due(now, inclusive=True)
+            self._tidy(lane)
+        self._live -= len(passed)
         self._expire(passed, "deadline passed while the request was queued")
-        self._items = rest
+        oldest = self._oldest()
+        if oldest is None:
+            return []
+        lane = oldest[0]
+        finish_by = now + batch_seconds(min(max_n, lane.live))
+        doomed = lane.due(finish_by, inclusive=False)
+        if lane.live:
+            batch, gone = lane.take(max_n)
+            self._live -= len(doomed) + gone
+            self._expire(doomed, "deadline too close to compute the request in time")
+        else:  # nothing else can run: the oldest doomed items do, the rest stay queued
+            doomed.sort(key=_arrival)
+            batch = doomed[:max_n]
+            lane.requeue(doomed[max_n:])
+            self._live -= len(batch)
+        self._tidy(lane)
         return batch
 
     def _full_or_none_coming(self, max_n: int) -> bool:
         """Whether the batch is full, or no admitted image is still on its way (being parsed or
         decoded: admitted and not queued)."""
-        live = self._live()
+        live = self._live
         return live >= max_n or self.admitted() <= live
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait(self, timeout_s: float | None) -> None:
+        """Until the next put, or `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(waiter)
+        timer = None if timeout_s is None else loop.call_later(timeout_s, _wake_one, waiter)
+        try:
+            await waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
+            with contextlib.suppress(ValueError):  # gone already if a put woke it
+                self._waiters.remove(waiter)
 
     async def take(
         self, max_n: int, max_delay_s: float, batch_seconds: Callable[[int], float] = _no_cost
@@ -203,23 +335,29 @@ class BatchQueue:
         """Wait for work. With a delay, a short batch waits up to that long after its oldest
         item, but only for images already admitted and still decoding: nothing waits for
         requests that may never come, so a lone request is taken at once at any delay."""
-        async with self._cond:
-            while True:
-                self._prune()
-                if not self._items:
-                    await self._cond.wait()
-                    continue
-                if max_delay_s > 0:
-                    until = self._items[0].enqueued_at + max_delay_s
-                    # Re-checked every RECHECK_S too: an admission given back without anything
-                    # queued (a failed decode, a client gone) does not notify the queue.
-                    while not self._full_or_none_coming(max_n):
-                        left = until - time.perf_counter()
-                        if left <= 0:
-                            break
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(min(left, RECHECK_S)):
-                                await self._cond.wait_for(lambda: self._full_or_none_coming(max_n))
-                batch = self._pop(max_n, batch_seconds)
-                if batch:
-                    return batch
+        while True:
+            oldest = self._oldest()
+            if oldest is None:
+                await self._wait(None)
+                continue
+            if max_delay_s > 0:
+                until = oldest[1].enqueued_at + max_delay_s
+                # Re-checked every RECHECK_S too: an admission given back without anything
+                # queued (a failed decode, a client gone) does not wake the queue.
+                while not self._full_or_none_coming(max_n):
+                    left = until - time.perf_counter()
+                    if left <= 0:
+                        break
+                    await self._wait(min(left, RECHECK_S))
+            batch = self._pop(max_n, batch_seconds)
+            if batch:
+                return batch
+
+
+def _arrival(item: WorkItem) -> int:
+    return item.seq
+
+
+def _wake_one(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -25,7 +25,7 @@ from clipserve.backends.base import Executor, as_async
 from clipserve.backends.device import select_device
 from clipserve.batching.compute import LOST, UNANSWERED, Outcome, check_shape, compute, rows_of
 from clipserve.batching.cost import CostModel
-from clipserve.batching.queue import BatchQueue, WorkItem, is_encoded
+from clipserve.batching.queue import BatchQueue, WorkItem, is_encoded, resolve
 from clipserve.batching.tower import TowerKind
 from clipserve.errors import ClipserveError, ExecutorFailed, ExecutorFatal, NotReady
 from clipserve.metrics import Metrics
@@ -182,8 +182,7 @@ class DeviceWorker:
         """Answer every item still in flight: stop() or a lost device must not strand them."""
         while self._inflight:
             for item in self._inflight.popleft().items:
-                if not item.future.done():
-                    item.future.set_exception(error)
+                resolve(item, error)
 
     async def _feed(self, slots: asyncio.Semaphore, launched: asyncio.Queue[_Batch]) -> None:
         loop = asyncio.get_running_loop()
@@ -215,9 +214,14 @@ class DeviceWorker:
 
     def _take(self, items: list[WorkItem]) -> _Batch:
         started = time.perf_counter()
+        ticket, places = items[0].ticket, 0  # a request's items share one: release in runs
         for item in items:
             item.started_at = started
-            item.ticket.release(1)
+            if item.ticket is not ticket:
+                ticket.release(places)
+                ticket, places = item.ticket, 0
+            places += 1
+        ticket.release(places)
         batch = _Batch(items, started, np.array([item.normalize for item in items]))
         self._inflight.append(batch)
         return batch
@@ -234,9 +238,7 @@ class DeviceWorker:
         except Exception as exc:
             return Outcome([ExecutorFailed("internal error") for _ in batch.items], errors=[exc])
         for index, error in errors.items():
-            future = batch.items[index].future
-            if not future.done():  # its request may be gone since
-                future.set_exception(error)
+            resolve(batch.items[index], error)
         for row, index in enumerate(ok):
             batch.items[index].array = crops[row]
         batch.items = [batch.items[i] for i in ok]
@@ -312,24 +314,19 @@ class DeviceWorker:
         """Metrics, the cost model and every item's answer, on the loop."""
         finished = time.perf_counter()
         size = len(batch.items)
-        computed = sum(1 for row in outcome.rows if isinstance(row, np.ndarray))
         if self.kind == "image":
             self.metrics.device_busy.labels(self.device).inc(max(outcome.device_s, 0.0))
         if outcome.clean:
             self.cost.observe(size, outcome.device_s)
             self.metrics.observe_batch(self.device, size, outcome.device_s, self.kind)
         else:
+            computed = sum(1 for row in outcome.rows if isinstance(row, np.ndarray))
             self.metrics.count_items(computed, self.kind)
             self.metrics.batch_retries.labels(self.device).inc(outcome.retries)
             self._log_failure(batch.items, outcome)
         for item, row in zip(batch.items, outcome.rows, strict=True):
             item.finished_at = finished
-            if item.future.done():
-                continue
-            if isinstance(row, np.ndarray):
-                item.future.set_result(row)
-            else:
-                item.future.set_exception(row)
+            resolve(item, row)
 
     def _log_failure(self, batch: list[WorkItem], outcome: Outcome) -> None:
         if not outcome.errors and outcome.fatal is None:

@@ -417,3 +417,28 @@ def test_an_idle_worker_still_runs_work_its_estimate_calls_too_slow() -> None:
         assert fakes[0].attempts == [1, 1]  # so a stale estimate is measured again
 
     run(test, latency_ms=200)
+
+
+def test_places_are_given_back_request_by_request_as_a_mixed_batch_starts() -> None:
+    async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
+        first = asyncio.create_task(submit(batcher, 1))
+        await until_async(lambda: fakes[0].attempts)  # computing: the rest queue behind it
+        tickets = [batcher.admit(3), batcher.admit(2)]
+        runs = [
+            asyncio.create_task(
+                batcher.run(
+                    ticket, [marked_array(m) for m in marks], normalize=False, request_id="r"
+                )
+            )
+            for ticket, marks in zip(tickets, [(2, 3, 4), (5, 6)], strict=True)
+        ]
+        await until_async(lambda: batcher.depth() == 5)
+        assert batcher.admission.used == 5
+        await until_async(lambda: len(fakes[0].attempts) == 2)  # [2, 3, 4, 5] computing
+        assert batcher.admission.used == 1  # three places of one request, one of the other
+        done = await asyncio.gather(first, *runs)
+        assert [len(d.embeddings) for d in done[1:]] == [3, 2]
+        assert fakes[0].batches == [1, 4, 1]
+        assert batcher.admission.used == 0
+
+    run(test, max_batch_size=4, latency_ms=100)
