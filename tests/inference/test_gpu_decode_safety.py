@@ -83,18 +83,9 @@ def test_pillow_alone_serves_the_data_corruptions(name: str) -> None:
     assert ImageDecoder(SPEC, 40_000_000, jpeg=None)(CORPUS[name]()).shape == (224, 224, 3)
 
 
-def test_served_on_the_cpu_path_each_corrupt_jpeg_gets_a_400(serve: Serve) -> None:
-    server = serve(backend="fake")
-    good = httpx.post(server.url + "/embed", content=photo(), headers=JPEG)
-    assert good.status_code == 200 and len(good.json()["embedding"]) > 0
-    for name, make in CORPUS.items():
-        r = httpx.post(server.url + "/embed", content=make(), headers=JPEG)
-        assert r.status_code == 400, (name, r.text)
-        assert set(r.json()) == {"error"} and r.json()["error"]["code"] == "invalid_image"
-
-
-def test_served_with_gpu_decode_each_corrupt_jpeg_gets_a_400(serve: Serve) -> None:
-    server = serve(backend="fake", decode="gpu")
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_served_each_corrupt_jpeg_gets_a_400(serve: Serve, decode: str) -> None:
+    server = serve(backend="fake", decode=decode)
     good = httpx.post(server.url + "/embed", content=photo(), headers=JPEG)
     assert good.status_code == 200 and len(good.json()["embedding"]) > 0
     for name, make in CORPUS.items():
