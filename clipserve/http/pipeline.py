@@ -131,8 +131,17 @@ class Pipeline(Generic[TicketT]):
         request's context, its metrics label and its encoded answer."""
         t0 = time.perf_counter()
         try:
-            async with self.request(exchange) as ctx:
-                work, done = await self._walk(exchange, call, ctx)
+            # `request`'s steps, spelled out on this per-request path (no generator to drive).
+            server_s = self.config.limits.request_timeout_s
+            timeout_s = exchange.timeout_s(server_s)
+            ctx = RequestContext(exchange.request_id, exchange.timer, t0 + timeout_s, exchange.gone)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    work, done = await self._walk(exchange, call, ctx)
+            except TimeoutError:
+                raise _timed_out(exchange, timeout_s, server_s) from None
+            finally:
+                self.body_budget.release(ctx.reserved_bytes)
             with ctx.timer.measure("encode"):
                 encoded = call.encode(work, done)
         except ClipserveError:
@@ -180,22 +189,6 @@ class Pipeline(Generic[TicketT]):
         c.model_items(tower).inc(work.count(tower))
         c.model_last_inference(tower).set(time.time())
 
-    @asynccontextmanager
-    async def request(self, exchange: Exchange) -> AsyncIterator[RequestContext]:
-        """The request's deadline (receiving the body included) and its stage timer."""
-        server_s = self.config.limits.request_timeout_s
-        timeout_s = exchange.timeout_s(server_s)
-        deadline = time.perf_counter() + timeout_s
-        ctx = RequestContext(exchange.request_id, exchange.timer, deadline, exchange.gone)
-        try:
-            async with asyncio.timeout(timeout_s):
-                yield ctx
-        except TimeoutError:
-            limit = exchange.deadline_name if timeout_s < server_s else "--request-timeout-s"
-            raise RequestTimeout(f"request took longer than {timeout_s:g} s ({limit})") from None
-        finally:
-            self.body_budget.release(ctx.reserved_bytes)
-
     async def in_pool(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """CPU work (parsing, decoding, tokenising) goes to the pool, never onto the event loop."""
         loop = asyncio.get_running_loop()
@@ -213,18 +206,15 @@ class Pipeline(Generic[TicketT]):
         finally:
             held.ticket.release_all()
 
-    @asynccontextmanager
-    async def _admitted_for(
-        self, tower: Tower[TicketT], ctx: RequestContext, n: int, held: Admitted[TicketT] | None
-    ) -> AsyncIterator[TicketT]:
-        if held is None:
-            async with self.admitted(tower, ctx, n) as own:
-                yield own.ticket
-            return
-        if n > held.n:  # the parsed body holds more than was admitted before parsing
+    async def _grown(
+        self, tower: Tower[TicketT], ctx: RequestContext, n: int, held: Admitted[TicketT]
+    ) -> TicketT:
+        """`held`'s ticket, grown to n places if the parsed body holds more than was admitted
+        before parsing. `held` stays its owner's to release."""
+        if n > held.n:
             held.ticket.absorb(await tower.reserve(n - held.n, ctx.deadline))
             held.n = n
-        yield held.ticket
+        return held.ticket
 
     async def embed(
         self, work: Work[Any], ctx: RequestContext, tower: TowerKind, held: Admitted[TicketT]
@@ -262,15 +252,31 @@ class Pipeline(Generic[TicketT]):
         if found is not None and not found.missing:
             return found.merged(None)
         todo = work.count if found is None else len(found.missing)
-        async with self._admitted_for(tower, ctx, todo, admitted) as ticket:
-            # URLs are fetched once the request holds its places (and has paid its rate
-            # limit's tokens for them): an over-limit or overloaded request fetches nothing.
-            images = await self._fetched(work, ctx) if work.urls else work
-            if work.urls:
-                found = await self._cached(tower, ctx, images, normalize, fresh, lookup=False)
-            with ctx.timer.measure("decode"):
-                arrays = await self._images(images, found.missing if found else None)
-            return await self._run(tower, ticket, arrays, ctx, normalize, found, fresh)
+        if admitted is None:  # places of its own, held until its images are answered
+            async with self.admitted(tower, ctx, todo) as own:
+                return await self._image_rows(work, ctx, normalize, own.ticket, found, fresh)
+        ticket = await self._grown(tower, ctx, todo, admitted)
+        return await self._image_rows(work, ctx, normalize, ticket, found, fresh)
+
+    async def _image_rows(
+        self,
+        work: ImageWork,
+        ctx: RequestContext,
+        normalize: bool,
+        ticket: TicketT,
+        found: Found | None,
+        fresh: bool,
+    ) -> Completed:
+        """`embed_images` once admitted: fetch the URLs, decode, batch, wait."""
+        tower = self.towers["image"]
+        # URLs are fetched once the request holds its places (and has paid its rate
+        # limit's tokens for them): an over-limit or overloaded request fetches nothing.
+        images = await self._fetched(work, ctx) if work.urls else work
+        if work.urls:
+            found = await self._cached(tower, ctx, images, normalize, fresh, lookup=False)
+        with ctx.timer.measure("decode"):
+            arrays = await self._images(images, found.missing if found else None)
+        return await self._run(tower, ticket, arrays, ctx, normalize, found, fresh)
 
     async def embed_texts(
         self,
@@ -292,9 +298,12 @@ class Pipeline(Generic[TicketT]):
         if found is not None and not found.missing:
             return found.merged(None)
         todo = len(tokens) if found is None else len(found.missing)
-        async with self._admitted_for(tower, ctx, todo, admitted) as ticket:
-            rows = list(tokens) if found is None else [tokens[i] for i in found.missing]
-            return await self._run(tower, ticket, rows, ctx, normalize, found, fresh)
+        rows = list(tokens) if found is None else [tokens[i] for i in found.missing]
+        if admitted is None:  # places of its own, held until its texts are answered
+            async with self.admitted(tower, ctx, todo) as own:
+                return await self._run(tower, own.ticket, rows, ctx, normalize, found, fresh)
+        ticket = await self._grown(tower, ctx, todo, admitted)
+        return await self._run(tower, ticket, rows, ctx, normalize, found, fresh)
 
     async def _fetched(self, work: ImageWork, ctx: RequestContext) -> ImageWork:
         """`work` with its image URLs fetched (--allow-url-fetch)."""
@@ -402,6 +411,12 @@ class _Counted:
         self.stage_duration = Children(m.stage_duration)
         self.request_bytes = Children(m.request_bytes)
         self.response_bytes = Children(m.response_bytes)
+
+
+def _timed_out(exchange: Exchange, timeout_s: float, server_s: float) -> RequestTimeout:
+    """The error of a request past its deadline, naming the limit that set it."""
+    limit = exchange.deadline_name if timeout_s < server_s else "--request-timeout-s"
+    return RequestTimeout(f"request took longer than {timeout_s:g} s ({limit})")
 
 
 async def _all(jobs: Sequence[Awaitable[T]]) -> list[T]:

@@ -1,0 +1,161 @@
+"""The app's own event-loop CPU per tensor request, without uvicorn or a socket: checkouts side
+by side, in interleaved rounds.
+
+The cost section (bench/frontend/cost.py) measures what a deployment pays, uvicorn's protocol
+included, and on this shared 2-core machine its rounds spread by ±10%: a change of 5% to the
+app's own code drowns in it. Here each checkout serves the same ASGI calls in a process of its
+own (fake backend, compute=0, --cache-mb 0, one 150 KB uint8 tensor per POST /embed, N
+requests in flight), and the process's CPU time per request is what is compared.
+
+    python -m bench.frontend.inproc --tree before=/tmp/cs-before --tree after=. --rounds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import MutableMapping
+from pathlib import Path
+from typing import Any
+
+TENSOR_HEADERS = [
+    (b"content-type", b"application/octet-stream"),
+    (b"x-tensor-dtype", b"uint8"),
+    (b"x-tensor-shape", b"1,224,224,3"),
+    (b"content-length", b"150528"),
+    (b"host", b"127.0.0.1:8000"),
+]
+
+
+async def _serve(model: Path, requests: int, concurrency: int) -> float:
+    """CPU µs per request of `requests` tensor POSTs, `concurrency` in flight at a time."""
+    from prometheus_client import CollectorRegistry
+
+    from clipserve.config import load_config
+    from clipserve.http.app import create_app
+
+    flags: dict[str, str | list[str] | None] = {
+        "model": str(model),
+        "backend": "fake",
+        "pretrained": "none",
+        "gpus": "cpu",
+        "backend_option": ["compute=0"],
+        "cache_mb": "0",
+        "grpc_port": "0",
+    }
+    app = create_app(load_config(flags, environ={}), registry=CollectorRegistry())
+    body = bytes(range(256)) * (150_528 // 256) + bytes(150_528 % 256)
+
+    async def one(state: dict[str, Any]) -> None:
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/embed",
+            "raw_path": b"/embed",
+            "root_path": "",
+            "query_string": b"",
+            "headers": list(TENSOR_HEADERS),
+            "client": ("127.0.0.1", 5000),
+            "server": ("127.0.0.1", 8000),
+            "state": dict(state),
+        }
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+        connected = asyncio.Event()  # set never: the client stays until its answer
+        status: list[int] = []
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop()
+            await connected.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+
+        await app(scope, receive, send)
+        if status != [200]:
+            raise RuntimeError(f"answered {status}")
+
+    async def client(state: dict[str, Any], n: int) -> None:
+        for _ in range(n):
+            await one(state)
+
+    async with app.router.lifespan_context(app) as lifespan_state:
+        state = dict(lifespan_state or {})
+        await asyncio.gather(*(client(state, 50) for _ in range(concurrency)))  # warm up
+        t0 = time.process_time()
+        per_client = requests // concurrency
+        await asyncio.gather(*(client(state, per_client) for _ in range(concurrency)))
+        return (time.process_time() - t0) / (per_client * concurrency) * 1e6
+
+
+def _one_run(tree: Path, model: Path, requests: int, concurrency: int) -> float:
+    """One checkout's µs per request, measured in a process of its own."""
+    # This file's `_serve`, run with only `tree` importable: the checkout need not have it.
+    code = (
+        "import asyncio, sys; from pathlib import Path; ns = {'__name__': 'inproc'}; "
+        "exec(compile(open(sys.argv[4]).read(), sys.argv[4], 'exec'), ns); "
+        "print(asyncio.run(ns['_serve'](Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    here = str(Path(__file__).resolve())
+    argv = [sys.executable, "-c", code, str(model), str(requests), str(concurrency), here]
+    out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True, cwd=tree)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tree", action="append", required=True, help="name=checkout, repeatable")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--requests", type=int, default=4000)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--out", type=Path)
+    a = p.parse_args()
+    trees = {name: Path(path).resolve() for name, path in (t.split("=", 1) for t in a.tree)}
+    from bench.common import machine, spread
+    from bench.frontend.cli import FAKE_CONFIG
+
+    runs: dict[str, list[float]] = {name: [] for name in trees}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "fake-512.json"
+        model.write_text(json.dumps(FAKE_CONFIG))
+        names = list(trees)
+        for r in range(a.rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated order
+                us = _one_run(trees[name], model, a.requests, a.concurrency)
+                runs[name].append(us)
+                print(f"round {r} {name}: {us:.1f} µs CPU per request", file=sys.stderr)
+    first = names[0]
+    report = {
+        "benchmark": "the app's own CPU per tensor request, in process (bench/frontend/inproc.py)",
+        "machine": machine(),
+        "requests": a.requests,
+        "concurrency": a.concurrency,
+        "rounds": a.rounds,
+        "cpu_us_per_request": {name: spread(v, 1) for name, v in runs.items()},
+        f"ratio_to_{first}": {
+            name: round(statistics.median(v) / statistics.median(runs[first]), 3)
+            for name, v in runs.items()
+        },
+        "runs": runs,
+    }
+    text = json.dumps(report, indent=1)
+    if a.out:
+        a.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
