@@ -266,6 +266,7 @@ def test_profile_summary_shares_and_cpu_fallbacks() -> None:
     assert on_cpu == ["shape (Shape)"]
 
 
+@pytest.mark.slow  # two CLI subprocesses exporting ONNX: ~20 s
 def test_export_and_profile_commands(
     tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
 ) -> None:

@@ -22,6 +22,10 @@ import pytest
 from clipserve.loadgen.procs import free_port
 from tests.helpers import PNG, marked_png, run_clipserve, self_signed_cert, until
 
+# Multi-process servers started per test (~20 s each here): in `make test-slow`, which CI runs,
+# so the default run stays near 10 minutes.
+pytestmark = pytest.mark.slow
+
 OLD, NEW = "rotating-key-old", "rotating-key-new"  # the same length: a rewrite keeps the size
 SHARED = "shared-key-0001"  # 6 items, then a token per 100 s
 METERED = "metered-key-0001"  # 4 items a second, burst 2

@@ -21,6 +21,10 @@ from PIL import Image
 from clipserve.loadgen.procs import free_port, stop
 from tests.helpers import until
 
+# Multi-process servers started per test (~20 s each here): in `make test-slow`, which CI runs,
+# so the default run stays near 10 minutes.
+pytestmark = pytest.mark.slow
+
 FRONT_ENDS = 2
 STALL = 256 * 1024  # body bytes each stalled request sends before it stops
 BUDGET = 4 * STALL  # --max-body-bytes-in-flight: four stalled bodies, wherever they are

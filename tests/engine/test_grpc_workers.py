@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+import pytest
 import tritonclient.grpc as tg
 from PIL import Image
 from tritonclient.utils import InferenceServerException
@@ -22,6 +23,10 @@ from tritonclient.utils import InferenceServerException
 from clipserve.loadgen.procs import free_port
 from tests.engine.test_shared_socket import Server, workers
 from tests.helpers import until
+
+# Multi-process servers started per test (~20 s each here): in `make test-slow`, which CI runs,
+# so the default run stays near 10 minutes.
+pytestmark = pytest.mark.slow
 
 MODEL = "tiny-clip"  # the tiny config's file name
 

@@ -17,10 +17,15 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from clipserve.engine.slots import shm_dir
 from clipserve.loadgen.procs import free_port
 from tests.helpers import until
+
+# Multi-process servers started per test (~20 s each here): in `make test-slow`, which CI runs,
+# so the default run stays near 10 minutes.
+pytestmark = pytest.mark.slow
 
 
 class Server:

@@ -22,11 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+import pytest
 from PIL import Image
 
 from clipserve.loadgen.procs import free_port
 from tests.engine.test_workers_served import stop_tree
 from tests.helpers import self_signed_cert, until
+
+# Multi-process servers started per test (~20 s each here): in `make test-slow`, which CI runs,
+# so the default run stays near 10 minutes.
+pytestmark = pytest.mark.slow
 
 KEEP_ALIVE_CLIENTS = 32
 NEW_CONNECTION_CLIENTS = 4  # each opens a connection per request

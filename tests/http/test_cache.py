@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from clipserve.loadgen.procs import free_port
 from tests.engine.test_workers_served import Server, request
@@ -131,6 +132,7 @@ def test_a_tiny_cache_evicts_and_stays_within_its_budget(serve: Serve) -> None:
         assert sum(run.attempts) == before + 1
 
 
+@pytest.mark.slow  # a --workers 2 server of its own: ~15 s
 def test_identical_items_from_two_front_ends_are_computed_once(
     tiny_config: Path, tmp_path: Path
 ) -> None:
