@@ -98,12 +98,6 @@ class WorkItem:
     seq: int = 0  # arrival order in its queue
     lane: Lane[WorkItem] | None = None  # where it waits; None once taken, dropped or never queued
 
-    @property
-    def stack_key(self) -> StackKey:
-        """Items with equal keys can be stacked into one batch: one dtype and shape. Encoded
-        images of any length batch together (the device worker decodes them into crops first)."""
-        return _stack_key(self.array)
-
 
 class Gathering:
     """One request's rows, written in place as its items are answered (`resolve`), and one
@@ -169,6 +163,8 @@ _UINT8 = np.dtype(np.uint8)
 
 
 def _stack_key(array: np.ndarray) -> StackKey:
+    """Items with equal keys can be stacked into one batch: one dtype and shape. Encoded
+    images of any length batch together (the device worker decodes them into crops first)."""
     if array.ndim == 1 and array.dtype == _UINT8:
         return _ENCODED
     return (array.dtype.str, array.shape)
