@@ -42,8 +42,9 @@ def clipserve(name: str, flags: Sequence[str], tree: Path | None = None) -> Serv
     env = {**os.environ, "PYTHONPATH": str(tree)} if tree else None
     n = int(flags[flags.index("--workers") + 1]) if "--workers" in flags else 1
     argv = ["-m", "clipserve", *flags, "--log-level", "warning"]
-    source = (tree or REPO) / "clipserve" / "config.py"
-    text = source.read_text() if source.is_file() else ""
+    package = (tree or REPO) / "clipserve"
+    sources = [package / "config.py", package / "config" / "schema.py"]  # before / after the split
+    text = "".join(s.read_text() for s in sources if s.is_file())
     if "cache_mb" in text and "--cache-mb" not in flags:
         # One payload sent over and over would measure the embedding cache's hits.
         argv += ["--cache-mb", "0"]

@@ -93,8 +93,8 @@ def _has_cache(tree: Path | None) -> bool:
     """Whether the server imported from `tree` (None: this one) has --cache-mb."""
     if tree is None:
         return True
-    config = tree / "clipserve" / "config.py"
-    return config.is_file() and "cache_mb" in config.read_text()
+    sources = [tree / "clipserve" / "config.py", tree / "clipserve" / "config" / "schema.py"]
+    return any(s.is_file() and "cache_mb" in s.read_text() for s in sources)
 
 
 @contextlib.contextmanager
