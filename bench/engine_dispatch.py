@@ -61,8 +61,7 @@ from clipserve.config import BatchingConfig
 from clipserve.inference.preprocess import PreprocessSpec
 from clipserve.metrics import Metrics
 
-BEFORE = "fe60cf3"  # the commit before the O(1) queue
-MODULES = ("__init__", "batcher", "cache", "compute", "cost", "queue", "tower", "worker")
+BEFORE = "HEAD"  # round 3 against round 2 (the O(1) queue, committed); round 2 ran fe60cf3
 EMBED_DIM = 512
 IN_FLIGHT = 2048  # items in flight: enough for full batches behind the one computing
 CONFIG = BatchingConfig(
@@ -77,9 +76,19 @@ def old_batching(rev: str) -> ModuleType:
     name = f"_batching_{rev}"
     root = Path(tempfile.mkdtemp(prefix="engine-dispatch-"))
     (root / name).mkdir()
-    for module in MODULES:
+    listing = subprocess.run(
+        ["git", "ls-tree", "--name-only", rev, "clipserve/batching/"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    for path in listing.split():
+        if not path.endswith(".py"):
+            continue
+        module = Path(path).stem
         source = subprocess.run(
-            ["git", "show", f"{rev}:clipserve/batching/{module}.py"],
+            ["git", "show", f"{rev}:{path}"],
             cwd=REPO,
             check=True,
             capture_output=True,
@@ -89,6 +98,13 @@ def old_batching(rev: str) -> ModuleType:
         (root / name / f"{module}.py").write_text(source)
     sys.path.insert(0, str(root))
     return importlib.import_module(name)
+
+
+def revision(rev: str) -> str:
+    """`rev` as a short commit id, so the report names what it measured against."""
+    return subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def batching(impl: str, before: str) -> ModuleType:
@@ -363,7 +379,7 @@ def summarise(samples: dict[str, list[Sample]], args: argparse.Namespace) -> dic
             "synchronous worker over the fake backend compute=0 (L2 on the host); "
             f"{args.size}x{args.size} uint8 items, max batch {CONFIG.max_batch_size}, "
             f"{IN_FLIGHT} items in flight, {args.seconds} s per variant per round; "
-            "before = batching as of " + args.before
+            "before = batching as of " + revision(args.before)
         ),
         "rounds": rounds,
         "items_per_s_whole_process": {

@@ -9,7 +9,6 @@ from asyncio import Future
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from operator import attrgetter, sub
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -117,19 +116,32 @@ class Batcher:
         if not live or n <= 0:
             return 0.0, 0.0, 0.0
         size = min(self.max_batch_size, math.ceil(n / len(live)))
-        batch_s = [w.cost.seconds(size) if w.cost.ready else -1.0 for w in live]
-        measured = [s for s in batch_s if s >= 0]
+        # Plain loops, not generators: this runs for every request admitted with a deadline.
+        batch_s: list[float] = []
+        measured = 0
+        for w in live:
+            if w.cost.ready:
+                batch_s.append(w.cost.seconds(size))
+                measured += 1
+            else:
+                batch_s.append(-1.0)
         if not measured:
             return 0.0, 0.0, 0.0
-        if len(measured) < len(batch_s):  # unmeasured: as fast as the average measured one
-            default = sum(measured) / len(measured)
+        if measured < len(batch_s):  # unmeasured: as fast as the average measured one
+            known = [s for s in batch_s if s >= 0]
+            default = sum(known) / len(known)
             batch_s = [s if s >= 0 else default for s in batch_s]
-        rate = sum(size / s for s in batch_s if s > 0)  # images per second, all workers
+        rate = 0.0  # images per second, all workers
+        for s in batch_s:
+            if s > 0:
+                rate += size / s
         if rate <= 0:
             return 0.0, 0.0, 0.0
         now = time.perf_counter()
-        busy = sum(w.remaining_s(now) for w in live) / len(live)
-        return busy, n / rate, max(batch_s)
+        busy = 0.0
+        for w in live:
+            busy += w.remaining_s(now)
+        return busy / len(live), n / rate, max(batch_s)
 
     def estimated_wait_s(self, n: int) -> float:
         """Seconds until n more images would be computed, behind every image admitted before
@@ -209,11 +221,9 @@ class Batcher:
         flights: list[Flight] = []  # keyed items this request waits on, its own or joined
         if self.cache is None or keys is None:  # one ticket: each item releases its place
             shared = ticket.split(len(arrays))
-            future = loop.create_future
+            future = gathering.future  # the items answer into their request: no future each
             ours = [
-                WorkItem(
-                    array, normalize, request_id, future(), shared, now, deadline, gathering, i
-                )
+                WorkItem(array, normalize, request_id, future, shared, now, deadline, gathering, i)
                 for i, array in enumerate(arrays)
             ]
         else:
@@ -244,7 +254,7 @@ class Batcher:
             ticket.release(len(arrays) - len(ours))  # answered or joined: no place of their own
         try:
             if ours:
-                await self.queue.put(ours)
+                self.queue.put_nowait(ours)
             if gathering.pending:
                 await gathering.future
         except BaseException as exc:
@@ -254,12 +264,10 @@ class Batcher:
             if isinstance(exc, ITEM_ERRORS) and len(arrays) > 1 and gathering.failed >= 0:
                 raise with_item_index(exc, gathering.failed) from None
             raise
-        items = [f.item for f in flights] if flights else ours
         rows = gathering.rows
+        queue_s, compute_s = _timings([f.item for f in flights] if flights else ours)
         return Completed(
-            rows if rows is not None else np.empty((0, 0), np.float32),
-            queue_s=max(map(sub, map(_started, items), map(_enqueued, items)), default=0.0),
-            compute_s=max(map(sub, map(_finished, items), map(_started, items)), default=0.0),
+            rows if rows is not None else np.empty((0, 0), np.float32), queue_s, compute_s
         )
 
     def _leave(self, flights: Sequence[Flight], ours: Sequence[WorkItem]) -> list[Future[Any]]:
@@ -270,10 +278,11 @@ class Batcher:
         waits until it is done."""
         unstarted: list[WorkItem] = []
         reading: list[Future[Any]] = []
-        if not flights:  # no keys: every item is this request's alone
-            for item in ours:
-                if not item.future.done():
-                    _drop(item, unstarted)
+        if not flights:  # no keys: the items share their request's future and one ticket
+            if ours:
+                ours[0].future.cancel()  # still queued or computing: answered by nobody now
+                ours[0].ticket.release_all()  # the places of those not started
+            unstarted = [item for item in ours if not item.started_at]
         own = {id(item) for item in ours} if flights else set()
         for flight in flights:
             flight.waiters -= 1
@@ -293,10 +302,20 @@ class Batcher:
         return reading
 
 
-# Item timings read in C over a request's items (no generator per request).
-_started = attrgetter("started_at")
-_enqueued = attrgetter("enqueued_at")
-_finished = attrgetter("finished_at")
+def _timings(items: Sequence[WorkItem]) -> tuple[float, float]:
+    """The longest queue wait and the longest compute of a request's items (0 without any)."""
+    if not items:
+        return 0.0, 0.0
+    queue_s = compute_s = -math.inf
+    for item in items:  # comparisons, not max(): two calls per item cost more than the rest
+        started = item.started_at
+        waited = started - item.enqueued_at
+        if waited > queue_s:
+            queue_s = waited
+        computed = item.finished_at - started
+        if computed > compute_s:
+            compute_s = computed
+    return queue_s, compute_s
 
 
 def _drop(item: WorkItem, unstarted: list[WorkItem]) -> None:

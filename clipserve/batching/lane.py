@@ -119,14 +119,21 @@ class Lane(Generic[T]):
         batch: list[T] = []
         items = self.items
         gone = 0
-        while items and len(batch) < max_n:
+        need = max_n
+        last: asyncio.Future[Any] | None = None  # a request's items share their future:
+        dead = False  # asked once per run of them (nothing changes it during a take)
+        while items and need > 0:
             item = items.popleft()
             if item.lane is not self:
                 continue
             item.lane = None
             gone += 1
-            if not item.future.done():
+            future = item.future
+            if future is not last:
+                last, dead = future, future.done()
+            if not dead:
                 batch.append(item)
+                need -= 1
         self.live -= gone
         groups = self.groups  # taken in arrival order: the oldest groups are done with
         while groups and not _any_live(groups[0][2], self):

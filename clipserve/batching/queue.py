@@ -12,6 +12,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +51,7 @@ class Admission:
         return Ticket(self, n, deadline)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Ticket:
     """One request's share of the admission budget; released image by image as they start."""
 
@@ -85,7 +86,10 @@ class WorkItem:
     array: np.ndarray  # uint8 HWC, or normalised float CHW
     normalize: bool
     request_id: str
-    future: asyncio.Future[np.ndarray]
+    # Its own future where other requests may wait on it (a keyed item: `batching/cache.py`);
+    # else its request's (`gathering.future`): one future per request, done once the request
+    # is answered, failed or gone, which is when its items stop mattering.
+    future: asyncio.Future[Any]
     ticket: Ticket
     enqueued_at: float  # time.perf_counter()
     # time.perf_counter(); past it the item is dropped unstarted. It only ever moves later
@@ -126,6 +130,22 @@ class Gathering:
         if not self.pending:
             self.future.set_result(None)
 
+    def landed_block(self, start: int, block: np.ndarray) -> None:
+        """Rows start.. of the request, all computed (`DeviceWorker._settle`)."""
+        if self.future.done():
+            return
+        n = len(block)
+        rows = self.rows
+        if rows is None and n == self.pending:  # the whole request in one batch: one copy
+            self.rows = block.astype(np.float32)  # (a copy: the block is the executor's)
+        else:
+            if rows is None:
+                rows = self.rows = np.empty((self.pending, *block.shape[1:]), np.float32)
+            rows[start : start + n] = block
+        self.pending -= n
+        if not self.pending:
+            self.future.set_result(None)
+
     def joined(self, index: int, future: asyncio.Future[np.ndarray]) -> None:
         """A done callback: an item another request made (`batching/cache.py`'s flights)."""
         if not future.cancelled():
@@ -134,20 +154,29 @@ class Gathering:
 
 
 def resolve(item: WorkItem, result: np.ndarray | BaseException) -> None:
-    """Answer an item, once: its future (read by the cache and by requests that joined it) and
-    the request that made it."""
+    """Answer an item, once: its request, and its own future where it has one (read by the
+    cache and by the requests that joined it)."""
     future = item.future
-    if future.done():
+    if future.done():  # answered, or its request is over (failed, timed out, gone)
         return
     gathering = item.gathering
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-        if gathering is not None:
-            future.exception()  # retrieved: its request raises it
-            gathering.landed(item.index, result)
+    if gathering is None:
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
         return
-    future.set_result(result)
-    if gathering is None or gathering.future.done():
+    if future is not gathering.future:  # an item of its own (keyed): others may wait on it
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+            future.exception()  # retrieved: its request raises it
+        else:
+            future.set_result(result)
+        if gathering.future.done():
+            return
+    if isinstance(result, BaseException):
+        gathering.failed = item.index
+        gathering.future.set_exception(result)
         return
     rows = gathering.rows  # Gathering.landed, inlined: this runs for every image
     if rows is None:
@@ -200,17 +229,17 @@ class BatchQueue:
     def put_nowait(self, items: Iterable[WorkItem]) -> None:
         run: list[WorkItem] = []  # consecutive items of one key: one lane's share
         key: StackKey | None = None
-        last: np.ndarray | None = None
+        dtype: np.dtype[Any] | None = None
+        shape: tuple[int, ...] = ()
         for item in items:
             array = item.array
             # A request's arrays share a dtype and shape: its key is made once.
-            if last is None or array.dtype is not last.dtype or array.shape != last.shape:
+            if array.dtype is not dtype or array.shape != shape:
                 k = _stack_key(array)
                 if k != key and run:
                     self._extend(key, run)
                     run = []
-                key = k
-            last = array
+                key, dtype, shape = k, array.dtype, array.shape
             run.append(item)
         if run:
             self._extend(key, run)

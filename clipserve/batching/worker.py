@@ -2,28 +2,40 @@
 flight on its device.
 
 Two coroutines share the work. The feeder takes a batch as soon as fewer than `depth` are in
-flight and launches it on the device thread; the finisher waits for the oldest launched batch on
-a completion thread, in launch order, and answers its items. So batch k+1 is taken, assembled and
-copied while batch k computes. An executor without an asynchronous side (the CPU) computes the
-whole batch on the device thread, one batch at a time: depth 1, today's synchronous path.
+flight and hands it to the device thread without waiting; that thread launches it and passes the
+wait to a completion thread, which answers the loop once per batch (three thread crossings a
+batch). The finisher answers the batches' items in launch order. So batch k+1 is taken,
+assembled and copied while batch k computes. An executor without an asynchronous side (the
+CPU) computes the whole batch on the device thread, one batch at a time: depth 1, the
+synchronous path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from clipserve.backends.base import Executor, as_async
 from clipserve.backends.device import select_device
-from clipserve.batching.compute import LOST, UNANSWERED, Outcome, check_shape, compute, rows_of
+from clipserve.batching.compute import (
+    LOST,
+    UNANSWERED,
+    Outcome,
+    check_shape,
+    compute,
+    finite,
+    rows_of,
+)
 from clipserve.batching.cost import CostModel
 from clipserve.batching.queue import BatchQueue, WorkItem, is_encoded, resolve
 from clipserve.batching.tower import TowerKind
@@ -43,10 +55,19 @@ class _Batch:
     items: list[WorkItem]
     taken_at: float
     mask: np.ndarray  # which rows to L2-normalise
-    launched: object = None  # the executor's handle, once launched
-    launched_at: float = 0.0
+    launched_at: float = 0.0  # set on the device thread
     error: Exception | None = None  # launching or waiting failed: bisect it synchronously
     outcome: Outcome | None = None  # computed synchronously already
+    # Launched batches: (rows, the finite block or None, when they were back, None) or
+    # (None, None, 0, the error), set once
+    # per batch from the thread that finished with it.
+    landed: asyncio.Future[_Landed] | None = None
+
+
+_Landed = tuple[
+    list[np.ndarray | ClipserveError] | None, np.ndarray | None, float, Exception | None
+]
+_T = TypeVar("_T")
 
 
 class DeviceWorker:
@@ -203,12 +224,12 @@ class DeviceWorker:
                     continue
             if self.asynchronous is None:
                 batch.outcome = await self._compute_on_thread(batch, None)
-            else:
+            else:  # not awaited: the device thread hands it to the completion thread, which
+                # answers the loop once (`_land`); the next batch is taken meanwhile
+                batch.landed = loop.create_future()
                 try:
-                    batch.launched, batch.launched_at = await loop.run_in_executor(
-                        self._thread, self._launch, batch
-                    )
-                except Exception as exc:  # out of memory, for one: bisect it synchronously
+                    self._thread.submit(self._launch, batch, loop)
+                except Exception as exc:  # the thread is shut down
                     batch.error = exc
             launched.put_nowait(batch)
 
@@ -256,19 +277,31 @@ class DeviceWorker:
         # way per image): decoding straight into its device input is the next step.
         return crops_numpy(decoded), decoded.ok, decoded.errors
 
-    def _launch(self, batch: _Batch) -> tuple[object, float]:
-        """On the device thread: returns once the batch is queued on the device."""
-        assert self.asynchronous is not None
-        handle = self.asynchronous.launch([item.array for item in batch.items], batch.mask)
-        return handle, time.perf_counter()
+    def _launch(self, batch: _Batch, loop: asyncio.AbstractEventLoop) -> None:
+        """On the device thread: queue the batch on the device, and its wait on the completion
+        thread. A failure (out of memory, for one) is answered to the loop at once."""
+        assert self.asynchronous is not None and self._waiter is not None
+        try:
+            handle = self.asynchronous.launch([item.array for item in batch.items], batch.mask)
+            batch.launched_at = time.perf_counter()
+            self._waiter.submit(self._wait, batch, handle, loop)
+        except Exception as exc:
+            _land(loop, batch, (None, None, 0.0, exc))
 
-    def _wait(self, handle: object, size: int) -> tuple[np.ndarray, float]:
-        """On the completion thread: the batch's rows, and when they were back."""
+    def _wait(self, batch: _Batch, handle: object, loop: asyncio.AbstractEventLoop) -> None:
+        """On the completion thread: the batch's rows (split here, off the loop), and when
+        they were back, answered to the loop in one call."""
         assert self.asynchronous is not None
-        out = self.asynchronous.wait(handle)
-        done = time.perf_counter()
-        check_shape(out, size)
-        return out, done
+        try:
+            out = self.asynchronous.wait(handle)
+            done = time.perf_counter()
+            check_shape(out, len(batch.items))
+            block = np.asarray(out, dtype=np.float32)
+            rows = rows_of(block)
+            landed: _Landed = (rows, block if finite(rows) else None, done, None)
+        except Exception as exc:
+            landed = (None, None, 0.0, exc)
+        _land(loop, batch, landed)
 
     async def _finish(self, slots: asyncio.Semaphore, launched: asyncio.Queue[_Batch]) -> None:
         while True:
@@ -283,26 +316,20 @@ class DeviceWorker:
     async def _collect(self, batch: _Batch) -> Outcome:
         """The rows of a launched batch; a batch that failed is bisected through `run`."""
         if batch.error is None:
-            loop = asyncio.get_running_loop()
-            try:
-                out, done = await loop.run_in_executor(
-                    self._waiter, self._wait, batch.launched, len(batch.items)
-                )
-            except Exception as exc:
-                batch.error = exc
-            else:
+            assert batch.landed is not None
+            rows, block, done, batch.error = await batch.landed
+            if rows is not None:
                 # Device time, not latency: the batch could start only once launched and once
                 # the batch before it was done. Throughput per batch is what admission needs.
                 device_s = done - max(batch.launched_at, self._last_done)
                 self._last_done = done
-                return Outcome(rows_of(np.asarray(out, dtype=np.float32)), device_s=device_s)
+                return Outcome(rows, device_s=device_s, block=block)
         return await self._compute_on_thread(batch, batch.error)
 
     async def _compute_on_thread(self, batch: _Batch, failed: Exception | None) -> Outcome:
-        loop = asyncio.get_running_loop()
         arrays = [item.array for item in batch.items]
         try:
-            outcome = await loop.run_in_executor(
+            outcome = await _on_thread(
                 self._thread, compute, self.executor, arrays, batch.mask, failed
             )
         except Exception as exc:  # not from the executor (the thread pool itself): fail all
@@ -324,9 +351,12 @@ class DeviceWorker:
             self.metrics.count_items(computed, self.kind)
             self.metrics.batch_retries.labels(self.device).inc(outcome.retries)
             self._log_failure(batch.items, outcome)
-        for item, row in zip(batch.items, outcome.rows, strict=True):
-            item.finished_at = finished
-            resolve(item, row)
+        if outcome.block is None:
+            for item, row in zip(batch.items, outcome.rows, strict=True):
+                item.finished_at = finished
+                resolve(item, row)
+        else:
+            _answer_block(batch.items, outcome.block, outcome.rows, finished)
 
     def _log_failure(self, batch: list[WorkItem], outcome: Outcome) -> None:
         if not outcome.errors and outcome.fatal is None:
@@ -344,3 +374,70 @@ class DeviceWorker:
             ", ".join(sorted(set(failed))),
             exc_info=outcome.fatal or outcome.errors[0],
         )
+
+
+def _answer_block(
+    items: list[WorkItem],
+    block: np.ndarray,
+    rows: list[np.ndarray | ClipserveError],
+    finished: float,
+) -> None:
+    """Answer a batch whose rows are all in `block`: each run of one request's items in order
+    (a request's items are queued together) in one slice, not one call per item."""
+    i, n = 0, len(items)
+    while i < n:
+        item = items[i]
+        item.finished_at = finished
+        gathering = item.gathering
+        j = i + 1
+        if gathering is None or item.future is not gathering.future:  # keyed: its own future
+            resolve(item, rows[i])
+        else:
+            first = item.index - i
+            while j < n:
+                other = items[j]
+                if other.gathering is not gathering or other.index != first + j:
+                    break
+                other.finished_at = finished
+                j += 1
+            gathering.landed_block(item.index, block[i:j])
+        i = j
+
+
+def _land(loop: asyncio.AbstractEventLoop, batch: _Batch, landed: _Landed) -> None:
+    """From a worker thread: answer the batch's future on the loop (one wake-up per batch)."""
+    assert batch.landed is not None
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+        loop.call_soon_threadsafe(_settle_future, batch.landed, landed)
+
+
+def _settle_future(future: asyncio.Future[_T], value: _T) -> None:
+    if not future.done():  # cancelled: the worker stopped
+        future.set_result(value)
+
+
+def _on_thread(
+    pool: ThreadPoolExecutor, fn: Callable[..., _T], *args: object
+) -> asyncio.Future[_T]:
+    """`fn(*args)` on `pool`, its result or error set on the loop in one call from the thread:
+    `run_in_executor` without a concurrent future chained to this one."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+
+    def call() -> None:
+        try:
+            result = fn(*args)
+        except Exception as exc:
+            setter: Callable[[], None] = partial(_fail_future, future, exc)
+        else:
+            setter = partial(_settle_future, future, result)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(setter)
+
+    pool.submit(call)
+    return future
+
+
+def _fail_future(future: asyncio.Future[Any], exc: Exception) -> None:
+    if not future.done():
+        future.set_exception(exc)
