@@ -16,8 +16,15 @@ JPEG requests per core, today's Pillow path against the fast path (inference/jpe
            fast path at 2 (the default) and at 1 (round 1's parity); simplejpeg is hidden and
            the margin set by a PYTHONPATH shim. Optionally the committed tree (--head).
   profile  py-spy of each served variant at saturation, summarised (bench/frontend/profile.py).
+  scales   round 3: simplejpeg's n/8 DCT scales, each one's decode cost on the 640x480 image
+           (interleaved, thread CPU time) and its parity with open_clip on the photos.
+
+Round 3 (--round round_3) adds the fast path's decode setting (inference/jpeg.py: plain chroma
+upsampling where the resize shrinks >= 2x) as a served variant beside round 2's,
+and writes its sections under that key of the existing JSON, keeping the earlier rows.
 
     python -m bench.jpeg_decoders --extra-path /tmp/jextra     # writes jpeg-decoders.json
+    python -m bench.jpeg_decoders --round round_3 --sections served,scales,parity
 """
 
 from __future__ import annotations
@@ -40,18 +47,33 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
-from bench.common import CLIP_SPEC, REPO, machine, say, spread, utc_now
+import clipserve.inference.jpeg as jpeg_path
+from bench.common import CLIP_SPEC, REPO, machine, rotated, say, spread, utc_now
 from bench.frontend.cli import FAKE_CONFIG
 from bench.frontend.load import requests_of, saturate
 from bench.frontend.profile import profile
 from bench.frontend.servers import Server, affinity, clipserve, fake_flags, start_all
-from clipserve.inference.jpeg import _torch_resize_crop, fast_jpeg
+from clipserve.inference.jpeg import FastJpeg, _torch_resize_crop, fast_jpeg
 from clipserve.inference.preprocess import ImageDecoder, center_box, resized_size
 from clipserve.loadgen.images import jpeg
 
 Fn = Callable[[bytes], np.ndarray]
 BASELINE = "pillow draft margin 1 (today's decode)"
 BICUBIC = Image.Resampling.BICUBIC
+# inference/jpeg.py's decode settings as round 2 had them (fancy upsampling, RGB out).
+ROUND_2 = {"FAST_UPSAMPLE_SHRINK": None}
+
+
+def fast_with(settings: dict[str, Any]) -> FastJpeg | None:
+    """The fast path built with other decode settings (module constants read at build)."""
+    old = {k: getattr(jpeg_path, k) for k in settings}
+    for k, v in settings.items():
+        setattr(jpeg_path, k, v)
+    try:
+        return jpeg_path._load()
+    finally:
+        for k, v in old.items():
+            setattr(jpeg_path, k, v)
 
 
 def plan(array: np.ndarray) -> tuple[tuple[int, int], slice, slice]:
@@ -101,6 +123,9 @@ def candidates() -> tuple[dict[str, Fn], dict[str, Fn]]:
     }
     if fast.jpeg_decoder != "pillow":
         full["clipserve fast path (margin 2, the default)"] = fast
+        full["clipserve fast path, round 2 (fancy upsampling)"] = ImageDecoder(
+            CLIP_SPEC, 10**9, jpeg=fast_with(ROUND_2)
+        )
         full["clipserve fast path at margin 1 (round 1's parity)"] = ImageDecoder(
             CLIP_SPEC, 10**9, draft_margin=1
         )
@@ -172,15 +197,18 @@ def section_decode(a: argparse.Namespace) -> dict[str, Any]:
         **{f"decode: {k}": v for k, v in only.items()},
     }
     us: dict[str, list[float]] = {k: [] for k in fns}
+    # Round 3 on: this thread's CPU time, not wall time (other jobs share the 2 cores).
+    clock = time.thread_time if a.round else time.perf_counter
     with affinity({a.core}):
         for r in range(a.rounds):
-            for name, fn in fns.items():  # interleaved: a noisy moment hits every one
+            for name in rotated(list(fns), r):  # interleaved: a noisy moment hits every one
+                fn = fns[name]
                 fn(images[0])
-                n, t0 = 0, time.perf_counter()
-                while n < len(images) or time.perf_counter() - t0 < a.seconds:
+                n, t0 = 0, clock()
+                while n < len(images) or clock() - t0 < a.seconds:
                     fn(images[n % len(images)])
                     n += 1
-                us[name].append((time.perf_counter() - t0) / n * 1e6)
+                us[name].append((clock() - t0) / n * 1e6)
             say(f"decode round {r + 1}/{a.rounds}")
     base = us[f"full: {BASELINE}"]
     rows: list[dict[str, Any]] = []
@@ -194,7 +222,13 @@ def section_decode(a: argparse.Namespace) -> dict[str, Any]:
             }
         )
         say(f"{name}: {spread(samples, 1)['median']} us, x{spread(ratios, 3)['median']}")
-    return {"input": "640x480 q90 synthetic JPEG", "core": a.core, "rounds": a.rounds, "rows": rows}
+    return {
+        "input": "640x480 q90 synthetic JPEG",
+        "clock": "thread CPU time" if a.round else "wall",
+        "core": a.core,
+        "rounds": a.rounds,
+        "rows": rows,
+    }
 
 
 def photos() -> dict[str, bytes]:
@@ -264,31 +298,54 @@ def section_parity() -> dict[str, Any]:
     }
 
 
-def shim(tmp: Path, name: str, hide_simplejpeg: bool, margin: int | None) -> str:
+def shim(
+    tmp: Path,
+    name: str,
+    hide_simplejpeg: bool,
+    margin: int | None,
+    settings: dict[str, Any] | None = None,
+) -> str:
     """A PYTHONPATH folder that hides simplejpeg (the Pillow fallback) and/or sets DRAFT_MARGIN
-    in the server process (a sitecustomize, run before the server builds its decoder)."""
+    and the fast path's decode settings in the server process (a sitecustomize, run before the
+    server builds its decoder)."""
     folder = tmp / name
     folder.mkdir()
     if hide_simplejpeg:
         (folder / "simplejpeg.py").write_text("raise ImportError('hidden: the Pillow path')\n")
+    lines = []
     if margin is not None:
-        (folder / "sitecustomize.py").write_text(
-            f"import clipserve.inference.preprocess as p\np.DRAFT_MARGIN = {margin}\n"
-        )
+        lines += ["import clipserve.inference.preprocess as p", f"p.DRAFT_MARGIN = {margin}"]
+    if settings:
+        lines.append("import clipserve.inference.jpeg as j")
+        lines += [f"j.{k} = {v!r}" for k, v in settings.items()]
+    if lines:
+        (folder / "sitecustomize.py").write_text("\n".join(lines) + "\n")
     return f"{folder}:{REPO}"
 
 
-def served_variants(tmp: Path, model: Path, head: bool) -> list[Server]:
+Variant = tuple[str, bool, int | None, dict[str, Any] | None]
+ROUND_2_VARIANTS: list[Variant] = [
+    (BASELINE, True, 1, None),
+    ("pillow draft margin 2 (the fallback now)", True, None, None),
+    ("fast path (margin 2, the default)", False, None, None),
+    ("fast path at margin 1 (round 1's parity)", False, 1, None),
+]
+ROUND_3_VARIANTS: list[Variant] = [
+    (BASELINE, True, 1, None),
+    ("fast path, round 2 (fancy upsampling)", False, None, ROUND_2),
+    ("fast path, round 3 default (plain upsampling at >= 2x shrink)", False, None, None),
+]
+
+
+def served_variants(
+    tmp: Path, model: Path, head: bool, variants: list[Variant] = ROUND_2_VARIANTS
+) -> list[Server]:
     flags = fake_flags(model)
     out: list[Server] = []
-    for name, hide, margin in [
-        (BASELINE, True, 1),
-        ("pillow draft margin 2 (the fallback now)", True, None),
-        ("fast path (margin 2, the default)", False, None),
-        ("fast path at margin 1 (round 1's parity)", False, 1),
-    ]:
+    for name, hide, margin, settings in variants:
         server = clipserve(name, flags)
-        server.env = {**os.environ, "PYTHONPATH": shim(tmp, f"shim{len(out)}", hide, margin)}
+        env_path = shim(tmp, f"shim{len(out)}", hide, margin, settings)
+        server.env = {**os.environ, "PYTHONPATH": env_path}
         out.append(server)
     if head:
         tree = tmp / "head"
@@ -305,7 +362,8 @@ def section_served(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     model = tmp / "fake-512.json"
     model.write_text(json.dumps(FAKE_CONFIG))
     reqs = requests_of("jpeg")
-    servers = served_variants(tmp, model, a.head)
+    variants = ROUND_3_VARIANTS if a.round == "round_3" else ROUND_2_VARIANTS
+    servers = served_variants(tmp, model, a.head, variants)
     samples: dict[str, list[dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack, affinity({a.client_core}):
         up, skipped = start_all(stack, servers, {a.core})
@@ -364,6 +422,17 @@ def section_profile(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return out
 
 
+def write(a: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The results to --out; with --round, merged into that key of the file's JSON (sections
+    not run this time, and earlier rounds, kept)."""
+    if not a.round:
+        a.out.write_text(json.dumps(result, indent=2) + "\n")
+        return
+    whole = json.loads(a.out.read_text()) if a.out.exists() else {}
+    whole.setdefault(a.round, {}).update(result)
+    a.out.write_text(json.dumps(whole, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     assert __doc__
     p = argparse.ArgumentParser(
@@ -380,6 +449,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head", action="store_true", help="served: also the committed tree")
     p.add_argument("--extra-path", action="append", default=[], help="appended to sys.path")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "jpeg-decoders.json")
+    p.add_argument(
+        "--round", default="", help="write the sections under this key of --out, keeping the rest"
+    )
     a = p.parse_args(argv)
     sys.path.extend(a.extra_path)
     sections = a.sections.split(",")
@@ -404,7 +476,11 @@ def main(argv: list[str] | None = None) -> None:
                 result["served"] = section_served(a, Path(tmp))
             elif section == "profile":
                 result["profile"] = section_profile(a, Path(tmp))
-            a.out.write_text(json.dumps(result, indent=2) + "\n")  # a partial run still reports
+            elif section == "scales":
+                from bench.jpeg_scales import section_scales  # it imports this module
+
+                result["scales"] = section_scales(a)
+            write(a, result)  # a partial run still reports
     say(f"wrote {a.out}")
 
 

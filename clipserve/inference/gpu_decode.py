@@ -14,7 +14,9 @@ One image never fails its batch:
 - what nvJPEG should not take goes to the host decoder (`ImageDecoder`) from the header: PNG and
   WebP, CMYK/YCCK JPEGs (converted unlike Pillow), files whose data does not end in an EOI
   marker (truncated: Pillow refuses them, nvJPEG may decode garbage), images whose full-size
-  resize exceeds `MAX_RESIZED_PIXELS` (the host resizes only the crop's region);
+  resize exceeds `MAX_RESIZED_PIXELS` (the host resizes only the crop's region), JPEGs whose
+  scans TurboJPEG cannot check (odd sampling factors: `jpeg.refusal` says "unsupported", not
+  "corrupt", and Pillow decides, as on the CPU path);
 - torchvision decodes a list all-or-nothing: when a chunk fails, it is halved until the images
   nvJPEG refuses are found, and each goes to the host decoder, which decodes it or names its
   error. A fatal device error raises `ExecutorFatal` instead (the worker must stop).
@@ -49,7 +51,8 @@ import torch.nn.functional as F
 from PIL import ExifTags
 
 from clipserve.backends.device import CPU, is_fatal_device_error
-from clipserve.errors import ClipserveError, ExecutorFatal, InvalidImage, StartupError
+from clipserve.errors import ClipserveError, ExecutorFatal, StartupError
+from clipserve.inference.jpeg import refusal
 from clipserve.inference.nvjpeg import PROCESS_OWNER, NvjpegOwner, decode_streams, indexed
 from clipserve.inference.preprocess import (
     MAX_RESIZED_PIXELS,
@@ -180,9 +183,8 @@ class DeviceDecoder:
         the CPU path would (InvalidImage for corrupt data)."""
         img = self.host.open(data)
         width, height = img.size
-        if img.format == "JPEG":
-            self._check_scan(data, img.mode)
-        if img.format != "JPEG" or img.mode not in ("RGB", "L") or not _ends_with_eoi(data):
+        scanned = img.format == "JPEG" and self._check_scan(data, img.mode)
+        if not scanned or img.mode not in ("RGB", "L") or not _ends_with_eoi(data):
             return Header(False, (width, height))
         try:
             orientation = int(img.getexif().get(ExifTags.Base.Orientation, 1))
@@ -192,16 +194,23 @@ class DeviceDecoder:
         new_w, new_h = resized_size(*upright, self.spec)
         return Header(new_w * new_h <= MAX_RESIZED_PIXELS, (width, height), orientation)
 
-    def _check_scan(self, data: bytes, mode: str) -> None:
+    def _check_scan(self, data: bytes, mode: str) -> bool:
         """libjpeg-turbo's Huffman decode of every scan at 1/8 scale (the IDCT and colour work
         nearly vanish), its "corrupt data" warnings raised as errors: truncated scans, bad
         Huffman codes, stray markers. Same memory as the host's decode of a progressive JPEG
-        (every coefficient), which `ImageDecoder.open`'s pixel limit bounds."""
+        (every coefficient), which `ImageDecoder.open`'s pixel limit bounds. False where
+        TurboJPEG cannot take the file (odd sampling factors): not refused, as on the CPU path
+        (`jpeg.refusal`), but unchecked, so it goes to the host decoder (Pillow decides), not to
+        nvJPEG."""
         space = "CMYK" if mode == "CMYK" else "GRAY"
         try:
             self._scan(data, colorspace=space, min_height=1, min_width=1, min_factor=8)
         except (ValueError, RuntimeError) as e:
-            raise InvalidImage(f"corrupt JPEG data ({e})") from None
+            refused = refusal(e)
+            if refused is not None:
+                raise refused from None
+            return False
+        return True
 
     def checked(self, data: bytes) -> Header | ClipserveError:
         try:

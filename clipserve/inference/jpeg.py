@@ -14,8 +14,16 @@ Huffman codes, restart markers out of order), which Pillow ignores, refuse the i
 TurboJPEG cannot take but libjpeg may (its header parse gives up on odd sampling factors, or a
 feature it lacks) goes to Pillow, which decodes it or refuses it as it always did.
 
-The DCT scale is Pillow draft's (1/2, 1/4, 1/8: the caller asks for the drafted size): the finer
-n/8 scales simplejpeg offers drift further from open_clip (6/8 on motorcycle_left: 6.4 levels).
+The DCT scale is Pillow draft's (1/2, 1/4, 1/8: the caller asks for the drafted size). The finer
+n/8 scales simplejpeg offers are no help: slower than the full decode (7/8, 6/8, 5/8 cost 2.3,
+1.8, 1.4 times as much at 640x480; of the scales below 8/8 only 4/8 is cheaper), and
+motorcycle_left drifts at every one (7/8: 3.3 levels; even an exact resize to 6/8 then to 224 is
+7 levels off: its fine texture aliases).
+Round 3 (bench/results/jpeg-decoders.json) kept libjpeg's plain chroma upsampling where the
+resize then shrinks at least FAST_UPSAMPLE_SHRINK-fold (the doubled chroma pixels average out:
+within 0.4 levels of open_clip); fancy upsampling elsewhere (an upscaled 200x150 drifts 0.55).
+RGBX output, which torch's kernel reads without repacking, saved 3% in the kernel but cost more
+served: the 4-byte-strided crop is slow for its consumers' copy.
 """
 
 from __future__ import annotations
@@ -41,13 +49,28 @@ _VECTOR_CAPABILITIES = ("AVX2", "AVX512")
 # TurboJPEG's refusals that say "cannot", not "corrupt": its header parse knows fewer sampling
 # layouts than libjpeg, and some processes (lossless, 12-bit) are not built in.
 _UNSUPPORTED = ("Could not determine subsampling", "Unsupported", "not supported")
+# Plain (replicating) chroma upsampling where the resize shrinks at least this much; None: never.
+FAST_UPSAMPLE_SHRINK: float | None = 2.0
 
 Box = tuple[int, int, int, int]  # left, top, right, bottom
-# (bytes, (min width, min height)) -> RGB uint8 HWC at the least DCT scale; None where the
-# decoder cannot take the file (Pillow then decodes it); InvalidImage where the data is corrupt.
-Decode = Callable[[bytes, tuple[int, int]], np.ndarray | None]
+# (bytes, (min width, min height), shrink) -> RGB uint8 HWC at the least DCT scale;
+# `shrink` is how much the resize after it shrinks the image (the least of the two axes). None
+# where the decoder cannot take the file (Pillow then decodes it); InvalidImage where the data
+# is corrupt.
+Decode = Callable[[bytes, tuple[int, int], float], np.ndarray | None]
 # (RGB uint8 HWC, resized (width, height), crop box, "bicubic" | "bilinear") -> the crop, HWC.
 ResizeCrop = Callable[[np.ndarray, tuple[int, int], Box, str], np.ndarray]
+
+
+def refusal(error: Exception) -> InvalidImage | None:
+    """What a libjpeg-turbo (simplejpeg) error says of a JPEG: None where TurboJPEG cannot take
+    the file (odd sampling factors, a process it lacks), so another decoder (Pillow, nvJPEG)
+    decides; the InvalidImage to raise where the data is corrupt. The CPU path and the GPU
+    path's admission check both ask this, so the two agree on which files they refuse."""
+    message = str(error)
+    if any(words in message for words in _UNSUPPORTED):
+        return None
+    return InvalidImage(f"truncated or corrupt image data ({message})")
 
 
 @dataclass(frozen=True)
@@ -83,15 +106,25 @@ def _load() -> FastJpeg | None:
     if torch.backends.cpu.get_cpu_capability() not in _VECTOR_CAPABILITIES:
         return None
 
-    def decode(data: bytes, size: tuple[int, int]) -> np.ndarray | None:
+    # Read once, here: benchmarks set it per server process before the first decode.
+    shrink_for_fast = FAST_UPSAMPLE_SHRINK
+
+    def decode(data: bytes, size: tuple[int, int], shrink: float) -> np.ndarray | None:
+        fast_upsample = shrink_for_fast is not None and shrink >= shrink_for_fast
         try:
             array: np.ndarray = simplejpeg.decode_jpeg(
-                data, colorspace="RGB", min_width=size[0], min_height=size[1], strict=True
+                data,
+                colorspace="RGB",
+                fastupsample=fast_upsample,
+                min_width=size[0],
+                min_height=size[1],
+                strict=True,
             )
         except ValueError as e:
-            if any(words in str(e) for words in _UNSUPPORTED):
+            refused = refusal(e)
+            if refused is None:
                 return None
-            raise InvalidImage(f"truncated or corrupt image data ({e})") from None
+            raise refused from None
         return array
 
     name = f"simplejpeg {simplejpeg.__version__} (DCT scaling) + torch {torch.__version__} resize"

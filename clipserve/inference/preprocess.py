@@ -350,12 +350,16 @@ class ImageDecoder:
             self._check_bytes(
                 decode_bytes(img, full_size) + raster_bytes(img), img, ", EXIF-rotated"
             )
-        decoded = jpeg.decode(data, img.size)  # draft's DCT scale
+        width, height = img.size  # draft's DCT scale, as the fast decoder will pick it
+        if orientation in (5, 6, 7, 8):
+            width, height = height, width
+        size = resized_size(width, height, self.spec)
+        decoded = jpeg.decode(data, img.size, min(width / size[0], height / size[1]))
         if decoded is None:
             return None
         array = orient(decoded, orientation)
-        height, width = array.shape[:2]
-        size = resized_size(width, height, self.spec)
+        if array.shape[1::-1] != (width, height):  # a decoder that picked another scale
+            size = resized_size(array.shape[1], array.shape[0], self.spec)
         if size[0] * size[1] > MAX_RESIZED_PIXELS:
             region = self._resize_crop_box(Image.fromarray(array), size, REDUCING_GAP)
             return np.asarray(region, dtype=np.uint8)
