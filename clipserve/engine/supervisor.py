@@ -112,6 +112,10 @@ class Supervisor:
         access = config.access
         limited = access.api_keys is not None or access.rate_limit is not None
         self.buckets = str(shm_dir() / f"{segment_prefix(self.pid)}quota") if limited else None
+        # The first front ends' start barrier: its named semaphores (/dev/shm/sem.mp-*) are
+        # unlinked once every front end has them open (`_drop_barrier`), so a supervisor killed
+        # with its resource tracker leaves none behind.
+        self._together: Barrier | None = None
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -129,9 +133,9 @@ class Supervisor:
                 BucketTable(self.buckets, create=True).close()
             self._start_engine()
             self._wait_engine_ready()
-            together = self.ctx.Barrier(len(self.front))
+            self._together = self.ctx.Barrier(len(self.front))
             for index in range(len(self.front)):
-                self._start_front(index, together)
+                self._start_front(index, self._together)
             http = self.config.http
             engine_pid = self.engine.process.pid if self.engine else 0
             log.info(
@@ -251,6 +255,7 @@ class Supervisor:
                 self._engine_starting(now)
                 children = [c for c in (self.engine, *self.front) if c is not None]
                 ages = {child.label: self._watch(child, now) for child in children}
+                self._drop_barrier()
                 if self._liveness is not None:
                     self._liveness.ages(ages)
                 starting = self.engine is not None and self.engine.ready_by is not None
@@ -263,6 +268,20 @@ class Supervisor:
             if self._liveness is not None:
                 self._liveness.close()
                 self._liveness = None
+
+    def _drop_barrier(self) -> None:
+        """Let the start barrier go (its finaliser unlinks the semaphores) once each front end
+        has opened it: a front end that stamped its heartbeat has unpickled its arguments, the
+        barrier among them; one that exited no longer needs it."""
+        if self._together is None:
+            return
+        for child in self.front:
+            if child is None:
+                return
+            beat = child.heart.read() if child.heart is not None else None
+            if beat is None and child.process.is_alive():
+                return
+        self._together = None
 
     def _watch(self, child: Child, now: float) -> float:
         """The child's heartbeat age; a child that missed its deadline is logged and killed
