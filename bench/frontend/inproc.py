@@ -8,6 +8,14 @@ own (fake backend, compute=0, --cache-mb 0, one 150 KB uint8 tensor per POST /em
 requests in flight), and the process's CPU time per request is what is compared.
 
     python -m bench.frontend.inproc --tree before=/tmp/cs-before --tree after=. --rounds 7
+
+With --resident each checkout's process starts once and serves one batch of requests per round
+when asked, the checkouts taking turns a second apart: a round's pair then shares the machine's
+load (other sessions' tests come and go within the ~15 s a fresh process takes to start), and
+the per-round ratios, not only the medians, are reported.
+
+    python -m bench.frontend.inproc --resident --tree before=/tmp/cs-before --tree after=. \
+        --rounds 40 --requests 3000
 """
 
 from __future__ import annotations
@@ -34,8 +42,9 @@ TENSOR_HEADERS = [
 ]
 
 
-async def _serve(model: Path, requests: int, concurrency: int) -> float:
-    """CPU µs per request of `requests` tensor POSTs, `concurrency` in flight at a time."""
+async def _serve(model: Path, requests: int, concurrency: int, resident: bool = False) -> float:
+    """CPU µs per request of `requests` tensor POSTs, `concurrency` in flight at a time.
+    `resident`: one such batch per `go` line on stdin, its µs printed, until stdin closes."""
     from prometheus_client import CollectorRegistry
 
     from clipserve.config import load_config
@@ -94,10 +103,20 @@ async def _serve(model: Path, requests: int, concurrency: int) -> float:
     async with app.router.lifespan_context(app) as lifespan_state:
         state = dict(lifespan_state or {})
         await asyncio.gather(*(client(state, 50) for _ in range(concurrency)))  # warm up
-        t0 = time.process_time()
         per_client = requests // concurrency
-        await asyncio.gather(*(client(state, per_client) for _ in range(concurrency)))
-        return (time.process_time() - t0) / (per_client * concurrency) * 1e6
+
+        async def batch() -> float:
+            t0 = time.process_time()
+            await asyncio.gather(*(client(state, per_client) for _ in range(concurrency)))
+            return (time.process_time() - t0) / (per_client * concurrency) * 1e6
+
+        if not resident:
+            return await batch()
+        loop = asyncio.get_running_loop()
+        print("ready", flush=True)
+        while (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "go":
+            print(await batch(), flush=True)
+        return 0.0
 
 
 def _one_run(tree: Path, model: Path, requests: int, concurrency: int) -> float:
@@ -115,12 +134,73 @@ def _one_run(tree: Path, model: Path, requests: int, concurrency: int) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+class _Resident:
+    """One checkout's serving process, started once; `batch()` is one round's µs per request."""
+
+    def __init__(self, tree: Path, model: Path, requests: int, concurrency: int) -> None:
+        code = (
+            "import asyncio, sys; from pathlib import Path; ns = {'__name__': 'inproc'}; "
+            "exec(compile(open(sys.argv[4]).read(), sys.argv[4], 'exec'), ns); "
+            "asyncio.run(ns['_serve'](Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), "
+            "resident=True))"
+        )
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        here = str(Path(__file__).resolve())
+        argv = [sys.executable, "-c", code, str(model), str(requests), str(concurrency), here]
+        self.proc = subprocess.Popen(
+            argv, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the serving process exited ({self.proc.wait()})")
+        return line.strip()
+
+    def ready(self) -> None:
+        while self._line() != "ready":
+            pass
+
+    def batch(self) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return float(self._line())
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def _resident_runs(
+    trees: dict[str, Path], model: Path, rounds: int, requests: int, concurrency: int
+) -> dict[str, list[float]]:
+    from bench.common import rotated
+
+    procs = {name: _Resident(tree, model, requests, concurrency) for name, tree in trees.items()}
+    runs: dict[str, list[float]] = {name: [] for name in trees}
+    try:
+        for proc in procs.values():
+            proc.ready()
+        for r in range(rounds):
+            for name in rotated(list(trees), r):
+                runs[name].append(procs[name].batch())
+                print(f"round {r} {name}: {runs[name][-1]:.1f} µs CPU per request", file=sys.stderr)
+    finally:
+        for proc in procs.values():
+            proc.close()
+    return runs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tree", action="append", required=True, help="name=checkout, repeatable")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--requests", type=int, default=4000)
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--resident", action="store_true", help="one process per checkout, rounds")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     trees = {name: Path(path).resolve() for name, path in (t.split("=", 1) for t in a.tree)}
@@ -132,7 +212,9 @@ def main() -> None:
         model = Path(tmp) / "fake-512.json"
         model.write_text(json.dumps(FAKE_CONFIG))
         names = list(trees)
-        for r in range(a.rounds):
+        if a.resident:
+            runs = _resident_runs(trees, model, a.rounds, a.requests, a.concurrency)
+        for r in range(0 if a.resident else a.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated order
                 us = _one_run(trees[name], model, a.requests, a.concurrency)
                 runs[name].append(us)
@@ -141,13 +223,20 @@ def main() -> None:
     report = {
         "benchmark": "the app's own CPU per tensor request, in process (bench/frontend/inproc.py)",
         "machine": machine(),
+        "load_average": os.getloadavg(),
         "requests": a.requests,
         "concurrency": a.concurrency,
         "rounds": a.rounds,
+        "resident": a.resident,
         "cpu_us_per_request": {name: spread(v, 1) for name, v in runs.items()},
         f"ratio_to_{first}": {
             name: round(statistics.median(v) / statistics.median(runs[first]), 3)
             for name, v in runs.items()
+        },
+        f"per_round_ratio_to_{first}": {  # each round's pair shares that moment's load
+            name: spread([x / y for x, y in zip(v, runs[first], strict=True)], 3)
+            for name, v in runs.items()
+            if name != first
         },
         "runs": runs,
     }
