@@ -66,10 +66,24 @@ def test_poisoned_requests_fail_alone_in_a_stream(serve: Serve) -> None:
 
 def test_non_finite_embedding_fails_only_its_request(serve: Serve) -> None:
     server = serve(
-        backend="fake", backend_option=["nan_pixel=5"], max_batch_size=2, max_queue_delay_ms=1000
+        backend="fake",
+        backend_option=["nan_pixel=5", "latency_ms=400"],
+        max_batch_size=2,
+        max_queue_delay_ms=1000,
     )
-    (bad, _), (good, _) = asyncio.run(timed_posts(server, [marked_png(5), marked_png(6)]))
-    assert server.state.runtime.executors[0].batches == [2]  # computed together
+    fake = server.state.runtime.executors[0]
+
+    async def behind_a_running_batch() -> list[tuple[httpx.Response, float]]:
+        # A lone request is taken at once (nothing waits for requests that may never come):
+        # the two queue together behind a batch on the device, however the machine is loaded.
+        blocker = asyncio.create_task(timed_posts(server, [marked_png(9)]))
+        await until_async(lambda: fake.attempts, 30, "the first batch on the device")
+        pair = await timed_posts(server, [marked_png(5), marked_png(6)])
+        assert (await blocker)[0][0].status_code == 200
+        return pair
+
+    (bad, _), (good, _) = asyncio.run(behind_a_running_batch())
+    assert fake.batches == [1, 2]  # the pair computed together
     assert bad.status_code == 422
     assert bad.json()["error"]["code"] == "non_finite_embedding"
     assert "non-finite" in bad.json()["error"]["message"]
