@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 ARGS   ?= --pretrained none
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-slow coverage check lint bench bench-report gpu-check perf-analyzer-env clean
+.PHONY: serve test test-slow coverage check lint bench bench-report gpu-check perf-analyzer-env pytriton-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -65,8 +65,12 @@ gpu-check:
 perf-analyzer-env: $(STAMP)
 	PYTHON=$(BIN)/python scripts/perf_analyzer_env.sh .perf-analyzer
 
+# Triton's front end for bench/frontend's cost section (PyTriton, in a venv of its own).
+pytriton-env:
+	scripts/pytriton_env.sh .pytriton
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .perf-analyzer
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .perf-analyzer .pytriton
 
 # The images built and run on this host (10-20 min; docker/test.sh says what it checks) into
 # bench/results/docker-test.json and .log. Exits 0 with SKIPPED where no Docker engine answers.

@@ -64,6 +64,12 @@ def parser() -> argparse.ArgumentParser:
         "--cost-tree", type=Path, help="cost section: the checkout measured (default: this one)"
     )
     p.add_argument("--payloads", default="tensor,jpeg", help="cost section: tensor, jpeg")
+    p.add_argument(
+        "--pytriton-python",
+        type=Path,
+        help="cost section: the interpreter with PyTriton (default .pytriton/bin/python, "
+        "made by make pytriton-env); Triton's front end is measured where it exists",
+    )
     p.add_argument("--delays", default="0,5,10", help="--max-queue-delay-ms values")
     p.add_argument("--policy-seconds", type=float, default=8.0)
     p.add_argument("--out", type=Path)

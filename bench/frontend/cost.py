@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import rotated, say
+from bench.common import REPO, rotated, say
 from bench.frontend.load import clean, client, requests_of, saturate, spread
 from bench.frontend.profile import profile
 from bench.frontend.servers import (
@@ -23,6 +23,7 @@ from bench.frontend.servers import (
     fake_flags,
     floor,
     pinning,
+    pytriton,
     split_cpus,
     start_all,
 )
@@ -50,6 +51,13 @@ def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
         clipserve(f"clipserve-w{n}", [*fake_flags(model), "--workers", str(n)], a.cost_tree)
         for n in a.cost_workers
     ]
+    skipped_early: dict[str, str] = {}
+    if "tensor" in kinds:  # Triton's front end beside them, where its interpreter is set up
+        python = a.pytriton_python or (REPO / ".pytriton" / "bin" / "python")
+        if Path(python).exists():
+            servers.append(pytriton(str(python), kinds["tensor"]))
+        else:
+            skipped_early["pytriton"] = f"no PyTriton interpreter at {python}: make pytriton-env"
     if a.cost_before_tree:  # its fake must know compute=0
         servers += [
             clipserve(f"before-w{n}", [*fake_flags(model), "--workers", str(n)], a.cost_before_tree)
@@ -59,15 +67,16 @@ def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
     threads = len(client_cpus or {0})
     with contextlib.ExitStack() as stack, affinity(client_cpus):
         up, skipped = start_all(stack, servers, server_cpus)
+        skipped.update(skipped_early)
         for r in up:  # warm-up: connections, caches, the batcher's first batches
-            for reqs in kinds.values():
+            for reqs in _kinds(r.server, kinds).values():
                 saturate(r, reqs, 1.0, a.connections, threads)
         decode: list[float] = []  # per round, on the server's cores between load points
         for rnd in range(a.rounds):
             with affinity(server_cpus):
                 decode.append(decode_cost(kinds["jpeg"]) if "jpeg" in kinds else 0.0)
             for r in rotated(up, rnd):
-                for kind, reqs in kinds.items():
+                for kind, reqs in _kinds(r.server, kinds).items():
                     point = saturate(r, reqs, a.seconds, a.connections, threads)
                     row = {"round": rnd, "payload": kind, **point}
                     rows.append(row)
@@ -79,12 +88,12 @@ def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
     summary = {
         f"{r.server.name} {kind}": _summary(rows, r.server.name, kind, decode)
         for r in up
-        for kind in kinds
+        for kind in _kinds(r.server, kinds)
     }
     profiles = {}
     if a.profile_seconds > 0 and set(a.profile_payloads) <= set(kinds):
         cpus = (server_cpus, client_cpus)
-        profiled = [s for s in servers[1:] if s.name not in skipped]
+        profiled = [s for s in servers[1:] if s.name not in skipped and s.clipserve]
         profiles = _profiles(a, profiled, cpus, {k: kinds[k] for k in a.profile_payloads})
     return {
         "pinning": pinning(server_cpus, client_cpus),
@@ -98,6 +107,13 @@ def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
         "rows": rows,
         "profiles": profiles,
     }
+
+
+def _kinds(server: Server, kinds: dict[str, list[Request]]) -> dict[str, list[Request]]:
+    """The payload kinds a server takes, as its own requests where it has them."""
+    if server.requests is None:
+        return kinds
+    return {k: server.requests[k] for k in kinds if k in server.requests}
 
 
 def _ratios(rows: Rows, servers: list[str], kinds: list[str]) -> dict[str, Any]:

@@ -4,12 +4,15 @@ processes told apart by role, their CPU time read, and this process pinned besid
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +20,8 @@ from pathlib import Path
 import psutil  # type: ignore[import-untyped]
 
 from bench.common import REPO, say
-from clipserve.loadgen.procs import free_port, pin, wait_ready
+from clipserve.loadgen.payloads import Request
+from clipserve.loadgen.procs import free_port, pin
 
 
 @dataclass
@@ -28,6 +32,11 @@ class Server:
     env: dict[str, str] | None = None
     clipserve: bool = True
     front_ends: int = 1
+    python: str = sys.executable  # another interpreter for another server's environment
+    ready_path: str = "/readyz"  # answers 200 once the server serves
+    # The requests it takes for each payload kind, where not clipserve's own (another API);
+    # kinds missing here are not sent to it.
+    requests: dict[str, list[Request]] | None = None
 
 
 @dataclass
@@ -80,14 +89,14 @@ def start(
     """The server on a free port, pinned to `cpus`; under `py-spy record` with `profile` (py-spy
     may only trace its own descendants here, so it starts the server)."""
     port = free_port()
-    cmd = [sys.executable, *s.argv, "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [s.python, *s.argv, "--host", "127.0.0.1", "--port", str(port)]
     if profile is not None:
         cmd = py_spy(profile) + cmd
     stdout = subprocess.DEVNULL if profile else None
     proc = subprocess.Popen(cmd, cwd=s.cwd, env=s.env, preexec_fn=pin(cpus), stdout=stdout)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(proc, url, startup_s, s.name)
+        _wait_ready(proc, url + s.ready_path, startup_s, s.name)
         root = psutil.Process(proc.pid)
         if profile is not None:
             root = root.children()[0]
@@ -95,6 +104,62 @@ def start(
         yield Running(s, proc, root, url)
     finally:
         _stop(proc, profile is not None)
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], url: str, startup_s: float, what: str) -> None:
+    """Until `url` answers 200; RuntimeError if `proc` exits or time runs out."""
+    deadline = time.monotonic() + startup_s
+    while True:
+        with (
+            contextlib.suppress(urllib.error.URLError, OSError),
+            urllib.request.urlopen(url, timeout=2) as r,
+        ):
+            if r.status == 200:
+                return
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not ready after {startup_s:g} s")
+        time.sleep(0.1)
+
+
+def pytriton(python: str | None, tensors: list[Request]) -> Server:
+    """Triton's front end and dynamic batcher (PyTriton, `bench/frontend/pytriton_model.py`,
+    a fixed answer) in the interpreter `python` has (`make pytriton-env`). Its tensor requests:
+    KServe v2 binary infer of the same uint8 crops, the answer asked in JSON as clipserve's
+    /embed gives it."""
+    argv = [str(REPO / "bench" / "frontend" / "pytriton_model.py")]
+    own = [_kserve_uint8(r) for r in tensors]
+    return Server(
+        "pytriton",
+        argv,
+        clipserve=False,
+        python=python or "",
+        ready_path="/v2/models/clip/ready",
+        requests={"tensor": own},
+    )
+
+
+def _kserve_uint8(tensor: Request) -> Request:
+    shape = [int(x) for x in tensor.headers["X-Tensor-Shape"].split(",")]
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "image",
+                    "shape": shape,
+                    "datatype": "UINT8",
+                    "parameters": {"binary_data_size": len(tensor.body)},
+                }
+            ],
+            "outputs": [{"name": "embedding", "parameters": {"binary_data": False}}],
+        }
+    ).encode()
+    headers = {
+        "Content-Type": "application/octet-stream",
+        "Inference-Header-Content-Length": str(len(header)),
+    }
+    return Request("/v2/models/clip/infer", header + tensor.body, headers, tensor.items)
 
 
 def _stop(proc: subprocess.Popen[bytes], profiled: bool) -> None:
@@ -144,6 +209,8 @@ def role(p: psutil.Process, root: psutil.Process) -> str:
             return "supervisor" if root.children() else "server"
         if "resource_tracker" in " ".join(p.cmdline()):
             return "resource tracker"
+        if p.name().startswith(("tritonserver", "triton_python")):  # PyTriton's processes
+            return p.name()
     return "front end" if _listens(p) else "engine"
 
 
