@@ -121,32 +121,37 @@ async def _serve(model: Path, requests: int, concurrency: int, resident: bool = 
 
 def _one_run(tree: Path, model: Path, requests: int, concurrency: int) -> float:
     """One checkout's µs per request, measured in a process of its own."""
-    # This file's `_serve`, run with only `tree` importable: the checkout need not have it.
+    argv, env = _serving(tree, model, requests, concurrency, resident=False)
+    out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True, cwd=tree)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _serving(
+    tree: Path, model: Path, requests: int, concurrency: int, *, resident: bool
+) -> tuple[list[str], dict[str, str]]:
+    """The command (and its environment) that runs this file's `_serve` with only `tree`
+    importable: the checkout need not have this file. Once, printing its µs per request; or
+    resident, serving a batch per line read (`_Resident`)."""
+    serve = (
+        "ns['_serve'](Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), resident=True)"
+        if resident
+        else "ns['_serve'](Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))"
+    )
     code = (
         "import asyncio, sys; from pathlib import Path; ns = {'__name__': 'inproc'}; "
         "exec(compile(open(sys.argv[4]).read(), sys.argv[4], 'exec'), ns); "
-        "print(asyncio.run(ns['_serve'](Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))))"
+        + (f"asyncio.run({serve})" if resident else f"print(asyncio.run({serve}))")
     )
     env = {**os.environ, "PYTHONPATH": str(tree)}
     here = str(Path(__file__).resolve())
-    argv = [sys.executable, "-c", code, str(model), str(requests), str(concurrency), here]
-    out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True, cwd=tree)
-    return float(out.stdout.strip().splitlines()[-1])
+    return [sys.executable, "-c", code, str(model), str(requests), str(concurrency), here], env
 
 
 class _Resident:
     """One checkout's serving process, started once; `batch()` is one round's µs per request."""
 
     def __init__(self, tree: Path, model: Path, requests: int, concurrency: int) -> None:
-        code = (
-            "import asyncio, sys; from pathlib import Path; ns = {'__name__': 'inproc'}; "
-            "exec(compile(open(sys.argv[4]).read(), sys.argv[4], 'exec'), ns); "
-            "asyncio.run(ns['_serve'](Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), "
-            "resident=True))"
-        )
-        env = {**os.environ, "PYTHONPATH": str(tree)}
-        here = str(Path(__file__).resolve())
-        argv = [sys.executable, "-c", code, str(model), str(requests), str(concurrency), here]
+        argv, env = _serving(tree, model, requests, concurrency, resident=True)
         self.proc = subprocess.Popen(
             argv, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
