@@ -123,7 +123,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, startup_s: float, what:
         time.sleep(0.1)
 
 
-def pytriton(python: str | None, tensors: list[Request]) -> Server:
+def pytriton(python: str, tensors: list[Request]) -> Server:
     """Triton's front end and dynamic batcher (PyTriton, `bench/frontend/pytriton_model.py`,
     a fixed answer) in the interpreter `python` has (`make pytriton-env`). Its tensor requests:
     KServe v2 binary infer of the same uint8 crops, the answer asked in JSON as clipserve's
@@ -134,7 +134,7 @@ def pytriton(python: str | None, tensors: list[Request]) -> Server:
         "pytriton",
         argv,
         clipserve=False,
-        python=python or "",
+        python=python,
         ready_path="/v2/models/clip/ready",
         requests={"tensor": own},
     )
