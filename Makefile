@@ -28,15 +28,18 @@ test-slow: $(STAMP)
 # the backend, batching and GPU-decode tests on this machine's CPU: the device layer and the
 # decoder's CPU twin run their lines here; docs/gpu-status.md lists what stays CUDA-only.
 # Fails below 90%. ~5 min.
-COVERED := clipserve/backends/torch_eager.py,clipserve/backends/cuda_graphs.py,clipserve/backends/torch_device.py,clipserve/inference/gpu_decode.py,clipserve/inference/nvjpeg.py
+COVERED := clipserve/backends/torch_eager.py,clipserve/backends/cuda_graphs.py,clipserve/backends/torch_device.py,clipserve/inference/gpu_decode.py,clipserve/inference/nvjpeg.py,clipserve/inference/decode_process.py,clipserve/batching/on_device.py
 coverage: $(STAMP)
 	mkdir -p .cache
-	$(BIN)/python -m coverage run --data-file=.cache/coverage --source=clipserve \
+	rm -f .cache/coverage .cache/coverage.*
+	$(BIN)/python -m coverage run --source=clipserve \
 		-m pytest -q tests/backends tests/batching tests/inference/test_gpu_decode.py \
 		tests/inference/test_gpu_decode_safety.py tests/inference/test_gpu_decode_served.py \
-		$(PYTEST_ARGS)
-	$(BIN)/python -m coverage report --data-file=.cache/coverage --include=$(COVERED) \
-		--show-missing --fail-under=90
+		tests/inference/test_decode_process.py $(PYTEST_ARGS)
+	$(BIN)/python -m coverage run --source=clipserve \
+		-m pytest -q -m slow tests/inference/test_decode_process.py $(PYTEST_ARGS)
+	$(BIN)/python -m coverage combine -q
+	$(BIN)/python -m coverage report --include=$(COVERED) --show-missing --fail-under=90
 
 lint: $(STAMP)
 	$(BIN)/ruff check clipserve bench tests

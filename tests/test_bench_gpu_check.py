@@ -99,6 +99,7 @@ def test_cpu_quick_run_end_to_end(tmp_path: Path) -> None:
     assert [r["batch"] for r in rows] == [1, 4, 16] and all(r["images_per_s"] > 0 for r in rows)
     decoders = sections["decoders"]["result"]
     assert decoders["pillow"]["images_per_s"] > 0 and decoders["device"]["images_per_s"] > 0
+    assert decoders["decode_processes"]["cpu"]["rows_equal"] is True  # through shared memory
     for name in ("served:tensor-d2", "served:jpeg"):
         served = sections[name]["result"]
         assert served["images_per_s"] > 0 and served["statuses"].get("200", 0) > 0

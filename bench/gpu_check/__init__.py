@@ -19,7 +19,9 @@ whatever it measured so far, and the run goes on):
                     (cosine >= 0.9999, or the section fails)
   decoders          nvJPEG (inference/gpu_decode.py) against Pillow per core, 640x480 JPEGs; one
                     batch over 2^27 pixels (chunked) checked row by row against single decodes;
-                    the corrupt JPEG corpus (tests/inference/corrupt_jpeg.py), each refused
+                    the corrupt JPEG corpus (tests/inference/corrupt_jpeg.py), each refused;
+                    a decode process per device (several GPUs), its crops back through CUDA
+                    IPC equal to this process's, on a second GPU too where there is one
   served:tensor-dN  served uint8-tensor rate through clipserve-bench and the device-busy ratio
                     (Δ clipserve_device_busy_seconds / wall, else Δ batch time / wall), one per
                     --pipeline-depth given where the server has that flag

@@ -69,6 +69,43 @@ def section_decoders(plan: Plan, emit: Emit) -> dict[str, Any]:
     out["large_batch"] = large_batch(plan, dev, sync)
     emit(out)
     out["corrupt"] = corrupt_corpus(dev)
+    emit(out)
+    out["decode_processes"] = decode_processes(plan, dev, batch[:32])
+    return out
+
+
+def decode_processes(plan: Plan, dev: Any, images: list[bytes]) -> dict[str, Any]:
+    """`--decode gpu` on several devices decodes in a process per device
+    (inference/decode_process.py): its crops, back through CUDA IPC, must equal this process's
+    decode row for row, on this device and on a second GPU where there is one."""
+    import numpy as np
+    import torch
+
+    from clipserve.config import LimitsConfig
+    from clipserve.inference.decode_process import DecodeProcess
+    from clipserve.inference.gpu_decode import crops_numpy
+
+    want = crops_numpy(dev.decode(images))
+    devices = [plan.device]
+    if plan.cuda and torch.cuda.device_count() > 1:
+        devices.append(f"cuda:{(int(torch.device(plan.device).index or 0) + 1) % 2}")
+    out: dict[str, Any] = {"images": len(images)}
+    for device in devices:
+        child = DecodeProcess(dev.host.spec, LimitsConfig(), device)
+        try:
+            child.wait_ready()
+            seconds = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                got = child.decode(images)
+                seconds.append(time.perf_counter() - t0)
+            out[device] = {
+                "rows_equal": bool(np.array_equal(crops_numpy(got), want)),
+                "on_device": str(got.pixels.device),
+                "images_per_s": round(len(images) / statistics.median(seconds), 1),
+            }
+        finally:
+            child.close()
     return out
 
 

@@ -13,6 +13,8 @@ from clipserve.config import ModelConfig
 from clipserve.inference.preprocess import PreprocessSpec
 
 if TYPE_CHECKING:
+    import torch
+
     from clipserve.config import ServerConfig
     from clipserve.inference.model import LoadedModel
 
@@ -94,6 +96,61 @@ class AsyncExecutor(Executor, Protocol):
     def launch(self, arrays: Sequence[np.ndarray], normalize: np.ndarray) -> object: ...
 
     def wait(self, launched: object) -> np.ndarray: ...
+
+
+class PixelExecutor(Executor, Protocol):
+    """An executor that takes a batch already on its device: uint8 NHWC crops in a torch tensor
+    (GPU decode's output), so they never travel through the host.
+
+    `pixel_device` is the torch device ("cuda:N", "cpu") such tensors must be on. `run_pixels`
+    is `run` for them, reading the tensor after the work already queued on the calling thread's
+    current stream (the decode that wrote it); it does not keep the tensor.
+    """
+
+    pixel_device: str
+
+    def run_pixels(self, pixels: torch.Tensor) -> np.ndarray: ...
+
+
+class AsyncPixelExecutor(PixelExecutor, AsyncExecutor, Protocol):
+    """`launch` for a batch already on the device, in the same stream order as `run_pixels`;
+    the tensor's memory is kept from reuse until the launched work has read it."""
+
+    def launch_pixels(self, pixels: torch.Tensor, normalize: np.ndarray) -> object: ...
+
+
+def takes_pixels(executor: Executor, device: str) -> PixelExecutor | None:
+    """The executor's device-input side, if it takes tensors on `device` (a torch device name,
+    indexed as GPU decode names it)."""
+    if getattr(executor, "pixel_device", None) == device and hasattr(executor, "run_pixels"):
+        return cast(PixelExecutor, executor)
+    return None
+
+
+def launches_pixels(executor: PixelExecutor) -> AsyncPixelExecutor | None:
+    """The executor's asynchronous device-input side, if its device has one."""
+    if as_async(executor) is not None and hasattr(executor, "launch_pixels"):
+        return cast(AsyncPixelExecutor, executor)
+    return None
+
+
+def check_pixels(pixels: torch.Tensor, spec: PreprocessSpec, device: str) -> int:
+    """The batch size of `pixels`, which must be contiguous uint8 NHWC at the model's input size
+    on `device`; a programming error upstream otherwise, as `check_batch` says for arrays."""
+    import torch
+
+    h, w = spec.size
+    if (
+        pixels.dtype != torch.uint8
+        or pixels.ndim != 4
+        or tuple(pixels.shape[1:]) != (h, w, 3)
+        or pixels.shape[0] < 1
+        or not pixels.is_contiguous()
+        or str(pixels.device) != device
+    ):
+        got = f"{tuple(pixels.shape)} {pixels.dtype} on {pixels.device}"
+        raise ValueError(f"pixels {got} do not fit input ({h}, {w}, 3) on {device}")
+    return int(pixels.shape[0])
 
 
 # A backend's factory: (model, spec, device) → an executor, not yet warmed up.

@@ -30,8 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from clipserve.backends.base import ExecutorInfo, ExecutorSpec, check_batch
-from clipserve.backends.device import cuda_index, fatal_device_errors, is_cpu, is_cuda
+from clipserve.backends.base import ExecutorInfo, ExecutorSpec, check_batch, check_pixels
+from clipserve.backends.device import (
+    cuda_device,
+    cuda_index,
+    fatal_device_errors,
+    is_cpu,
+    is_cuda,
+    torch_device_name,
+)
 from clipserve.backends.onnx_export import (
     INPUT,
     OUTPUT,
@@ -46,6 +53,8 @@ from clipserve.config import resolve_workers
 from clipserve.errors import StartupError
 
 if TYPE_CHECKING:
+    import torch
+
     from clipserve.inference.model import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -299,6 +308,10 @@ class OrtExecutor:
             (max_batch_size, model.embed_dim), self.float_dtype, self.device_type, self.device_id
         )
         self.info = ExecutorInfo(backend, device, precision, self.spec.size, model.embed_dim)
+        # GPU decode's crops on this device are bound as they are (`run_pixels`).
+        self.pixel_device = (
+            cuda_device(self.device_id) if self.on_cuda else torch_device_name(device)
+        )
 
     def _bind(self, binding: Any, name: str, value: Any, shape: tuple[int, ...], out: bool) -> None:
         bind = binding.bind_output if out else binding.bind_input
@@ -313,22 +326,50 @@ class OrtExecutor:
         with fatal_device_errors(self.device):
             return self._run(batch)
 
-    def _run(self, batch: np.ndarray) -> np.ndarray:
-        check_batch(batch, self.spec)
-        n = batch.shape[0]
+    def run_pixels(self, pixels: torch.Tensor) -> np.ndarray:
+        """`run` for crops already on this device (GPU decode's), bound by address: no copy."""
+        with fatal_device_errors(self.device):
+            return self._run_pixels(pixels)
+
+    def _run_pixels(self, pixels: torch.Tensor) -> np.ndarray:
+        from clipserve.backends.torch_device import device_layer
+
+        n = self._fits(check_pixels(pixels, self.spec, self.pixel_device))
+        # torch queued the decode on its current stream; ONNX Runtime reads on its own.
+        device_layer(pixels.device).current().synchronize()
+        prefix = self.normalize.io_binding()
+        shape = list(pixels.shape)
+        prefix.bind_input(
+            PIXELS, self.device_type, self.device_id, np.uint8, shape, pixels.data_ptr()
+        )
+        return self._embed(n, prefix)
+
+    def _fits(self, n: int) -> int:
         if n > self.max_batch:
             raise ValueError(f"batch of {n} exceeds the preallocated {self.max_batch}")
-        h, w = self.spec.size
-        x_shape = (n, 3, h, w)
-        image = self.image.io_binding()
+        return n
+
+    def _run(self, batch: np.ndarray) -> np.ndarray:
+        check_batch(batch, self.spec)
+        n = self._fits(batch.shape[0])
         if batch.dtype == np.uint8:
             prefix = self.normalize.io_binding()
             prefix.bind_cpu_input(PIXELS, np.ascontiguousarray(batch))  # the one input copy
+            return self._embed(n, prefix)
+        image = self.image.io_binding()
+        image.bind_cpu_input(INPUT, np.ascontiguousarray(batch, dtype=self.float_dtype))
+        return self._embed(n, None, image)
+
+    def _embed(self, n: int, prefix: Any, image: Any = None) -> np.ndarray:
+        """The image graph on `n` images: normalised first by `prefix` (the uint8 pixels bound
+        to it) into the preallocated input, or `image` with its input bound already."""
+        h, w = self.spec.size
+        x_shape = (n, 3, h, w)
+        if prefix is not None:
             self._bind(prefix, INPUT, self._x, x_shape, out=True)
             self.normalize.run_with_iobinding(prefix)
+            image = self.image.io_binding()
             self._bind(image, INPUT, self._x, x_shape, out=False)
-        else:
-            image.bind_cpu_input(INPUT, np.ascontiguousarray(batch, dtype=self.float_dtype))
         self._bind(image, OUTPUT, self._y, (n, self.info.embed_dim), out=True)
         self.image.run_with_iobinding(image)
         out: np.ndarray = image.copy_outputs_to_cpu()[0]  # the one output copy

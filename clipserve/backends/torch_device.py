@@ -41,6 +41,8 @@ class Stream(Protocol):
 
     def wait_event(self, event: Event) -> None: ...
 
+    def wait_stream(self, stream: Stream) -> None: ...
+
     def synchronize(self) -> None: ...
 
 
@@ -64,6 +66,15 @@ class DeviceLayer(Protocol):
 
     def on(self, stream: Stream) -> contextlib.AbstractContextManager[object]:
         """Makes `stream` current: the work enqueued inside runs on it."""
+        ...
+
+    def current(self) -> Stream:
+        """The calling thread's current stream (where work enqueued now runs)."""
+        ...
+
+    def keep(self, tensor: torch.Tensor, stream: Stream) -> None:
+        """`tensor`'s memory is read by work queued on `stream`: the allocator may not reuse it,
+        once freed, before that work is done (`Tensor.record_stream`)."""
         ...
 
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -123,6 +134,12 @@ class CudaDevice:
     def on(self, stream: Stream) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.stream(cast(torch.cuda.Stream, stream))
 
+    def current(self) -> Stream:
+        return cast(Stream, torch.cuda.current_stream(self.device))
+
+    def keep(self, tensor: torch.Tensor, stream: Stream) -> None:
+        tensor.record_stream(cast(torch.cuda.Stream, stream))
+
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # Pinned: a copy from pageable memory is staged and synchronous whatever non_blocking says.
         return torch.empty(shape, dtype=dtype, pin_memory=True)
@@ -162,6 +179,9 @@ class CpuStream:
 
     def wait_event(self, event: Event) -> None:
         pass  # what the event marks happened before this call could run
+
+    def wait_stream(self, stream: Stream) -> None:
+        pass  # every other stream's work is done too: it is this same thread's
 
     def synchronize(self) -> None:
         pass
@@ -211,6 +231,12 @@ class CpuDevice:
 
     def on(self, stream: Stream) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()
+
+    def current(self) -> Stream:
+        return CpuStream()
+
+    def keep(self, tensor: torch.Tensor, stream: Stream) -> None:
+        pass  # its readers ran before this call returned
 
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,10 +30,19 @@ from clipserve.backends.base import (
     ExecutorInfo,
     ExecutorSpec,
     check_batch,
+    check_pixels,
     l2_normalise_rows,
     normalisation_affine,
 )
-from clipserve.backends.device import device_context, fatal_device_errors, is_cpu, is_cuda
+from clipserve.backends.device import (
+    CPU,
+    cuda_device,
+    cuda_index,
+    device_context,
+    fatal_device_errors,
+    is_cpu,
+    is_cuda,
+)
 from clipserve.backends.torch_device import DeviceLayer, Event, Stream, device_layer
 from clipserve.config import resolve_workers
 from clipserve.errors import StartupError
@@ -148,6 +157,8 @@ class TorchExecutor:
         self.info = ExecutorInfo(
             backend, str(self.device), precision, self.spec.size, model.embed_dim
         )
+        index = cuda_index(device)  # GPU decode names its device with its index: "cuda:N"
+        self.pixel_device = CPU if index is None else cuda_device(index)
 
     def _to_device(self, batch: np.ndarray) -> torch.Tensor:
         x = self.layer.stage(batch).to(self.device, non_blocking=True)  # on the current stream
@@ -174,6 +185,18 @@ class TorchExecutor:
             batch = np.stack(arrays)  # a rare path: synchronous, normalised on the host
             return _Launched(None, n, l2_normalise_rows(self.run(batch), normalize))
         check_batch(arrays[0][None], self.spec)
+        return self._launch(n, lambda slot: self._enqueue(slot, arrays, normalize))
+
+    def launch_pixels(self, pixels: torch.Tensor, normalize: np.ndarray) -> object:
+        """`launch` for crops already on this device (GPU decode's): no staging copy at all;
+        the forward pass reads `pixels` on the compute stream once the work queued on the
+        current stream (the decode) is done."""
+        n = check_pixels(pixels, self.spec, self.pixel_device)
+        if n > self._slot_size:
+            return _Launched(None, n, l2_normalise_rows(self.run_pixels(pixels), normalize))
+        return self._launch(n, lambda slot: self._enqueue_pixels(slot, pixels, normalize))
+
+    def _launch(self, n: int, enqueue: Callable[[_Slot], None]) -> _Launched:
         with (
             fatal_device_errors(self.info.device),
             device_context(self.info.device),
@@ -181,7 +204,7 @@ class TorchExecutor:
         ):
             slot = self._take_slot()
             try:
-                self._enqueue(slot, arrays, normalize)
+                enqueue(slot)
             except BaseException:
                 self._recycle(slot)
                 raise
@@ -200,17 +223,35 @@ class TorchExecutor:
     def _enqueue(self, slot: _Slot, arrays: Sequence[np.ndarray], normalize: np.ndarray) -> None:
         n = len(arrays)
         np.stack(arrays, out=slot.host_in.numpy()[:n])  # straight into staging memory
+        self._copy_in(slot, n, normalize, with_pixels=True)
+        self._compute(slot, slot.device_in[:n])
+
+    def _enqueue_pixels(self, slot: _Slot, pixels: torch.Tensor, normalize: np.ndarray) -> None:
+        self._copy_in(slot, pixels.shape[0], normalize, with_pixels=False)
+        # The decode that wrote `pixels` was queued on the current stream; once freed, their
+        # memory must wait for the compute stream's reads too.
+        self.stream.wait_stream(self.layer.current())
+        self.layer.keep(pixels, self.stream)
+        self._compute(slot, pixels)
+
+    def _copy_in(self, slot: _Slot, n: int, normalize: np.ndarray, *, with_pixels: bool) -> None:
         slot.host_mask.numpy()[:n] = normalize
         with self.layer.on(self.copy_stream):
             # The slot's previous batch was waited for before it came back; this keeps its
             # device buffers safe even so, in stream order, at no host cost.
             self.copy_stream.wait_event(slot.done)
-            slot.device_in[:n].copy_(slot.host_in[:n], non_blocking=True)
+            if with_pixels:
+                slot.device_in[:n].copy_(slot.host_in[:n], non_blocking=True)
             slot.device_mask[:n].copy_(slot.host_mask[:n], non_blocking=True)
             slot.copied.record(self.copy_stream)
+
+    def _compute(self, slot: _Slot, x: torch.Tensor) -> None:
+        """The forward pass of `x` (uint8 NHWC on the device) on the compute stream, after the
+        slot's copies; its L2-normalised rows into the slot's host output."""
+        n = x.shape[0]
         self.stream.wait_event(slot.copied)
         with self.layer.on(self.stream):
-            rows = l2_normalise_device(self.embed(slot.device_in[:n]), slot.device_mask[:n])
+            rows = l2_normalise_device(self.embed(x), slot.device_mask[:n])
             slot.host_out[:n].copy_(rows, non_blocking=True)
             slot.done.record(self.stream)
 
@@ -254,6 +295,19 @@ class TorchExecutor:
             self.layer.on(self.stream),
         ):
             return self.layer.download(self.forward(self._to_device(batch)).float())
+
+    def run_pixels(self, pixels: torch.Tensor) -> np.ndarray:
+        """`run` for crops already on this device: read after the work queued on the current
+        stream (the decode that wrote them); the rows are on the host when this returns."""
+        check_pixels(pixels, self.spec, self.pixel_device)
+        with (
+            fatal_device_errors(self.info.device),
+            device_context(self.info.device),
+            torch.inference_mode(),
+        ):
+            self.stream.wait_stream(self.layer.current())
+            with self.layer.on(self.stream):
+                return self.layer.download(self.embed(pixels))
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
         h, w = self.spec.size

@@ -30,7 +30,7 @@ from clipserve.errors import (
 from clipserve.metrics import Metrics
 
 if TYPE_CHECKING:  # imports torch: only with --decode gpu
-    from clipserve.inference.gpu_decode import DeviceDecoder
+    from clipserve.inference.gpu_decode import BatchDecoder
 
 
 class Batcher:
@@ -43,7 +43,7 @@ class Batcher:
         metrics: Metrics,
         threads: Sequence[ThreadPoolExecutor | None] | None = None,
         kind: TowerKind = "image",
-        decoders: Sequence[DeviceDecoder | None] | None = None,
+        decoders: Sequence[BatchDecoder | None] | None = None,
         cache: EmbeddingCache | None = None,
         warm_costs: Sequence[Sequence[tuple[int, float]]] | None = None,
     ) -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from clipserve.backends.base import Executor, as_async
+from clipserve.backends.base import Executor, as_async, launches_pixels, takes_pixels
 from clipserve.backends.device import select_device
 from clipserve.batching.compute import (
     LOST,
@@ -37,13 +37,14 @@ from clipserve.batching.compute import (
     rows_of,
 )
 from clipserve.batching.cost import CostModel
+from clipserve.batching.on_device import compute_pixels
 from clipserve.batching.queue import BatchQueue, WorkItem, is_encoded, resolve
 from clipserve.batching.tower import TowerKind
 from clipserve.errors import ClipserveError, ExecutorFailed, ExecutorFatal, NotReady
 from clipserve.metrics import Metrics
 
 if TYPE_CHECKING:  # imports torch: only with --decode gpu
-    from clipserve.inference.gpu_decode import DeviceDecoder
+    from clipserve.inference.gpu_decode import BatchDecoder, DecodedBatch
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class _Batch:
     launched_at: float = 0.0  # set on the device thread
     error: Exception | None = None  # launching or waiting failed: bisect it synchronously
     outcome: Outcome | None = None  # computed synchronously already
+    # GPU-decoded crops still on the executor's device (`PixelExecutor`); the items' arrays
+    # are then their JPEG bytes still.
+    decoded: DecodedBatch | None = None
     # Launched batches: (rows, the finite block or None, when they were back, None) or
     # (None, None, 0, the error), set once
     # per batch from the thread that finished with it.
@@ -83,7 +87,7 @@ class DeviceWorker:
         on_death: Callable[[], None] = lambda: None,
         kind: TowerKind = "image",
         pipeline_depth: int = 1,
-        decoder: DeviceDecoder | None = None,
+        decoder: BatchDecoder | None = None,
     ) -> None:
         """`pipeline_depth` batches may be in flight at once where the executor is asynchronous
         (`as_async`); a synchronous executor always runs one at a time."""
@@ -101,6 +105,11 @@ class DeviceWorker:
         self.cost = CostModel()  # device time per batch, learned from this worker's clean batches
         self.asynchronous = as_async(executor) if pipeline_depth > 1 else None
         self.depth = pipeline_depth if self.asynchronous is not None else 1
+        # An executor on the decoder's device takes its crops as they are: no host round trip.
+        self.pixels = takes_pixels(executor, str(decoder.device)) if decoder else None
+        self.launches_pixels = launches_pixels(self.pixels) if self.pixels else None
+        if self.asynchronous is not None and self.launches_pixels is None:
+            self.pixels = None  # it launches host arrays only: crops come through the host
         self._inflight: deque[_Batch] = deque()  # taken, not yet answered, in launch order
         self._last_done = 0.0  # time.perf_counter() when the device last finished a batch
         # The executor is only ever called from one thread: the runtime's thread that built it,
@@ -253,36 +262,44 @@ class DeviceWorker:
         loop = asyncio.get_running_loop()
         encoded = [item.array.tobytes() for item in batch.items]
         try:
-            crops, ok, errors = await loop.run_in_executor(self._thread, self._decoded, encoded)
+            decoded, crops = await loop.run_in_executor(self._thread, self._decoded, encoded)
         except ExecutorFatal as exc:  # the device is gone: as a failed forward pass would be
             return Outcome([NotReady(LOST) for _ in batch.items], fatal=exc)
         except Exception as exc:
             return Outcome([ExecutorFailed("internal error") for _ in batch.items], errors=[exc])
-        for index, error in errors.items():
+        for index, error in decoded.errors.items():
             resolve(batch.items[index], error)
-        for row, index in enumerate(ok):
-            batch.items[index].array = crops[row]
+        ok = decoded.ok
+        if crops is None:  # on the executor's device: handed over as it is
+            batch.decoded = decoded
+        else:
+            for row, index in enumerate(ok):
+                batch.items[index].array = crops[row]
         batch.items = [batch.items[i] for i in ok]
         batch.mask = batch.mask[ok]
         return None
 
-    def _decoded(
-        self, encoded: list[bytes]
-    ) -> tuple[np.ndarray, list[int], dict[int, ClipserveError]]:
+    def _decoded(self, encoded: list[bytes]) -> tuple[DecodedBatch, np.ndarray | None]:
+        """The decoded batch, and its crops on the host where the executor cannot take them
+        from the decoder's device (~150 KB each way per image)."""
         from clipserve.inference.gpu_decode import crops_numpy
 
         assert self.decoder is not None
         decoded = self.decoder.decode(encoded)
-        # Crops come back to the host and the executor copies them in again (~150 KB each
-        # way per image): decoding straight into its device input is the next step.
-        return crops_numpy(decoded), decoded.ok, decoded.errors
+        if self.pixels is not None:
+            return decoded, None
+        return decoded, crops_numpy(decoded)
 
     def _launch(self, batch: _Batch, loop: asyncio.AbstractEventLoop) -> None:
         """On the device thread: queue the batch on the device, and its wait on the completion
         thread. A failure (out of memory, for one) is answered to the loop at once."""
         assert self.asynchronous is not None and self._waiter is not None
         try:
-            handle = self.asynchronous.launch([item.array for item in batch.items], batch.mask)
+            if batch.decoded is not None:
+                assert self.launches_pixels is not None
+                handle = self.launches_pixels.launch_pixels(batch.decoded.pixels, batch.mask)
+            else:
+                handle = self.asynchronous.launch([item.array for item in batch.items], batch.mask)
             batch.launched_at = time.perf_counter()
             self._waiter.submit(self._wait, batch, handle, loop)
         except Exception as exc:
@@ -327,13 +344,19 @@ class DeviceWorker:
         return await self._compute_on_thread(batch, batch.error)
 
     async def _compute_on_thread(self, batch: _Batch, failed: Exception | None) -> Outcome:
-        arrays = [item.array for item in batch.items]
         try:
-            outcome = await _on_thread(
-                self._thread, compute, self.executor, arrays, batch.mask, failed
-            )
+            if batch.decoded is not None:
+                assert self.pixels is not None
+                outcome = await _on_thread(
+                    self._thread, compute_pixels, self.pixels, batch.decoded, batch.mask, failed
+                )
+            else:
+                arrays = [item.array for item in batch.items]
+                outcome = await _on_thread(
+                    self._thread, compute, self.executor, arrays, batch.mask, failed
+                )
         except Exception as exc:  # not from the executor (the thread pool itself): fail all
-            return Outcome([ExecutorFailed("internal error") for _ in arrays], errors=[exc])
+            return Outcome([ExecutorFailed("internal error") for _ in batch.items], errors=[exc])
         self._last_done = time.perf_counter()
         return outcome
 

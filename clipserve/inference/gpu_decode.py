@@ -44,6 +44,7 @@ import struct
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -136,6 +137,16 @@ def _orient(image: torch.Tensor, orientation: int) -> torch.Tensor:
     if orientation == 8:  # Pillow's ROTATE_90: a quarter turn anticlockwise
         return image.rot90(1, (-2, -1))
     return image  # 1 and values Pillow ignores
+
+
+class BatchDecoder(Protocol):
+    """What a device worker decodes with: a `DeviceDecoder`, or its twin in a process of its
+    own (`decode_process.DecodeProcess`, one per device when there are several)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def decode(self, images: Sequence[bytes]) -> DecodedBatch: ...
 
 
 class DeviceDecoder:

@@ -5,8 +5,9 @@ Read in torchvision's source (csrc/io/image/cuda/decode_jpegs_cuda.cpp, 0.29):
   differs from the last call's; the old one's destructor frees nothing (its body is commented
   out), so every switch leaks its nvJPEG handle, pinned and device buffers. Two GPUs decoding in
   one process would take turns and leak on each turn. `NvjpegOwner` gives nvJPEG to one CUDA
-  device per process and refuses a second at start-up; device names are always indexed, since
-  "cuda" and "cuda:0" compare unequal there and would rebuild it too.
+  device per process and refuses a second at start-up (the runtime never asks: with several
+  devices each decodes in a process of its own, `decode_process.py`); device names are always
+  indexed, since "cuda" and "cuda:0" compare unequal there and would rebuild it too.
 - outputs are allocated (`torch::empty`) on the caller's current stream and written on the
   decoder's own pool stream, which waits for nothing of the caller's. Memory freed on the
   caller's stream while kernels queued there still read it (an earlier chunk, a resize
@@ -14,6 +15,8 @@ Read in torchvision's source (csrc/io/image/cuda/decode_jpegs_cuda.cpp, 0.29):
   kernels. `DecodeStreams` makes a stream of ours current during each call, so outputs come from
   that stream's pool only, and records each output on the stream that reads it
   (`record_stream`): the allocator reuses an output's memory only once its readers are done.
+  It does so through the device layer (`backends/torch_device.py`), whose CPU streams are real
+  no-ops, so the CPU tests run these very lines.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Protocol
 
 import torch
 
 from clipserve.backends.device import cuda_index
+from clipserve.backends.torch_device import DeviceLayer, Stream, device_layer
 from clipserve.errors import StartupError
 
 
@@ -55,8 +58,8 @@ class NvjpegOwner:
                 raise StartupError(
                     f"--decode gpu: {device} cannot decode in this process, {self.device} does "
                     "(torchvision keeps one nvJPEG decoder per process and rebuilds it, leaking "
-                    "the old one, whenever the device changes); run one server per GPU with "
-                    "--decode gpu, or --decode cpu"
+                    "the old one, whenever the device changes): a device's decoder belongs in "
+                    "a process of its own (inference/decode_process.py)"
                 )
 
 
@@ -64,67 +67,41 @@ class NvjpegOwner:
 PROCESS_OWNER = NvjpegOwner()
 
 
-class DecodeStreams(Protocol):
-    """Stream discipline around one torchvision decode call (see the module docstring)."""
+class DecodeStreams:
+    """Stream discipline around torchvision's decode calls (see the module docstring), through
+    the device layer: on CUDA, outputs allocated from a stream of ours and recorded on the
+    reader's stream; on the CPU the same calls, whose streams have nothing to wait for. Either
+    way each output handed over is also held by reference until the batch is done, so the CPU
+    tests watch the same calls made in the same order (tests/inference/test_gpu_decode.py)."""
 
-    def decoding(self) -> contextlib.AbstractContextManager[object]:
-        """The context the decode call runs in."""
-        ...
-
-    def hand_over(self, outputs: Sequence[torch.Tensor]) -> None:
-        """`outputs` are read from now on by work queued on the current stream."""
-        ...
-
-    def done(self) -> None:
-        """The batch's reads of every output handed over are queued."""
-        ...
-
-
-class CudaDecodeStreams:
-    """Outputs allocated from a stream of ours, recorded on the reader's stream."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream: torch.cuda.Stream | None = None  # made on the first decode's thread
+    def __init__(self, layer: DeviceLayer) -> None:
+        self.layer = layer
+        self.stream: Stream | None = None  # made on the first decode's thread
+        self._held: list[Sequence[torch.Tensor]] = []
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[object]:
+        """The context each decode call runs in."""
         if self.stream is None:
-            self.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        reader = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.stream):
+            self.stream = self.layer.stream()
+        reader = self.layer.current()
+        with self.layer.on(self.stream):
             yield self.stream
         # torchvision made our stream wait for its decode; the reader waits for ours.
         reader.wait_stream(self.stream)
 
     def hand_over(self, outputs: Sequence[torch.Tensor]) -> None:
-        reader = torch.cuda.current_stream(self.device)
+        """`outputs` are read from now on by work queued on the current stream."""
+        reader = self.layer.current()
         for tensor in outputs:
-            tensor.record_stream(reader)
-
-    def done(self) -> None:
-        pass  # record_stream already holds each output's memory for its readers
-
-
-class HostDecodeStreams:
-    """The host's version of the same promise: work is synchronous, and each output handed over
-    is held by reference until the batch is done, so the CPU tests watch the same calls made in
-    the same order (tests/inference/test_gpu_decode.py)."""
-
-    def __init__(self) -> None:
-        self._held: list[Sequence[torch.Tensor]] = []
-
-    def decoding(self) -> contextlib.AbstractContextManager[object]:
-        return contextlib.nullcontext()
-
-    def hand_over(self, outputs: Sequence[torch.Tensor]) -> None:
+            self.layer.keep(tensor, reader)
         self._held.append(outputs)
 
     def done(self) -> None:
+        """The batch's reads of every output handed over are queued (and `keep` guards their
+        memory from then on)."""
         self._held.clear()
 
 
 def decode_streams(device: torch.device) -> DecodeStreams:
-    if device.type == "cuda":
-        return CudaDecodeStreams(device)
-    return HostDecodeStreams()
+    return DecodeStreams(device_layer(device))

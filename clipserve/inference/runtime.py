@@ -46,7 +46,7 @@ from clipserve.inference.preprocess import ImageDecoder
 from clipserve.inference.self_check import run_self_check
 
 if TYPE_CHECKING:  # imports torch: only with --decode gpu
-    from clipserve.inference.gpu_decode import DeviceDecoder
+    from clipserve.inference.gpu_decode import BatchDecoder
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Runtime:
     decoder: ImageDecoder
     # --decode gpu: one batch decoder per device (built on its thread), and what admission
     # runs in the pool instead of the decoder (header checks; JPEG bytes pass through).
-    device_decoders: list[DeviceDecoder] = field(default_factory=list)
+    device_decoders: list[BatchDecoder] = field(default_factory=list)
     image_input: Callable[[bytes], np.ndarray] | None = None
     # (batch size, seconds) timed after each image executor's warm-up: its worker's cost model
     # starts from these, so admission is calibrated from the first request (not after a cold
@@ -102,6 +102,12 @@ class Runtime:
 
     def close(self) -> None:
         _close(self.executors, self.text_executors, self.threads, self.text_threads, wait=True)
+        if self.device_decoders:  # --decode gpu: torch is loaded
+            from clipserve.inference.decode_process import DecodeProcess
+
+            for decoder in self.device_decoders:
+                if isinstance(decoder, DecodeProcess):
+                    decoder.close()
 
 
 def device_thread(device: str) -> ThreadPoolExecutor:
@@ -239,8 +245,6 @@ def _build_text_executor(model: LoadedModel, spec: ExecutorSpec, device: str) ->
 def build_runtime(config: ServerConfig) -> Runtime:
     """Load, build and warm up everything; raises StartupError with a one-line reason."""
     devices = resolve_devices(config.backend.gpus, config.backend.backend)
-    if config.backend.decode == "gpu":
-        _check_decode_devices(devices)  # before minutes of loading and warm-up
     config = resolve_device_defaults(config, devices)  # batch and queue sizes for the devices
     threads = [device_thread(d) for d in devices]
     text_threads = [text_thread(d, t) for d, t in zip(devices, threads, strict=True)]
@@ -284,25 +288,30 @@ def _costs_text(costs: list[tuple[int, float]]) -> str:
     return ", ".join(f"{n} in {seconds * 1000:.1f} ms" for n, seconds in costs)
 
 
-def _check_decode_devices(devices: list[str]) -> None:
-    """--decode gpu: nvJPEG serves one CUDA device per process (inference/nvjpeg.py); the
-    same claims the decoders will make, on an owner of their own."""
-    from clipserve.inference.nvjpeg import NvjpegOwner, indexed
-
-    owner = NvjpegOwner()
-    for device in devices:
-        owner.claim(indexed(torch_device_name(device)))
-
-
 def _add_device_decoders(runtime: Runtime, devices: list[str]) -> None:
-    """--decode gpu: a batch decoder per device, made on the device's own thread (simulated
-    devices decode on the CPU, with the same code)."""
+    """--decode gpu: a batch decoder per device. One device's decodes in this process, made on
+    the device's own thread; with several, each decodes in a process of its own (nvJPEG serves
+    one device per process: inference/decode_process.py). Simulated devices decode on the CPU,
+    with the same code."""
+    from clipserve.inference.decode_process import DecodeProcess
     from clipserve.inference.gpu_decode import DeviceDecoder, EncodedAtAdmission
 
-    for device, thread in zip(devices, runtime.threads, strict=True):
-        where = torch_device_name(device)
-        runtime.device_decoders.append(
-            thread.submit(DeviceDecoder, runtime.decoder, where).result()
+    spec, limits = runtime.model.preprocess, runtime.config.limits
+    if len(devices) == 1:
+        decoder = runtime.threads[0].submit(
+            DeviceDecoder, runtime.decoder, torch_device_name(devices[0])
         )
+        runtime.device_decoders.append(decoder.result())
+    else:  # started together: each child imports torch and makes its device's context
+        children = [DecodeProcess(spec, limits, torch_device_name(d)) for d in devices]
+        try:
+            for child in children:
+                child.wait_ready()
+        except BaseException:
+            for child in children:
+                child.close()
+            raise
+        runtime.device_decoders.extend(children)
     runtime.image_input = EncodedAtAdmission(runtime.decoder)
-    log.info("--decode gpu: JPEGs decode in batches on %s", ", ".join(devices))
+    apart = " (a decode process each)" if len(devices) > 1 else ""
+    log.info("--decode gpu: JPEGs decode in batches on %s%s", ", ".join(devices), apart)

@@ -82,9 +82,13 @@ def test_stream_context_and_current_stream() -> None:
 
 
 def test_record_stream_and_pinned_copies() -> None:
-    """nvjpeg.CudaDecodeStreams.hand_over: `Tensor.record_stream(stream)`; staging:
-    `pin_memory()`, `torch.empty(pin_memory=)`, `copy_(non_blocking=)`, `.to(non_blocking=)`."""
+    """torch_device.CudaDevice.keep (GPU decode's outputs, crops handed to an executor):
+    `Tensor.record_stream(stream)`; CudaDevice.current: `torch.cuda.current_stream(device)`;
+    `Stream.wait_stream`; staging: `pin_memory()`, `torch.empty(pin_memory=)`,
+    `copy_(non_blocking=)`, `.to(non_blocking=)`."""
     assert callable(torch.Tensor.record_stream)
+    assert params(torch.cuda.current_stream) == ["device"]
+    assert params(torch.cuda.Stream.wait_stream)[1:] == ["stream"]
     assert "record_stream(stream)" in (torch.Tensor.record_stream.__doc__ or "")
     assert callable(torch.Tensor.pin_memory) and callable(torch.Tensor.is_pinned)
     x, y = torch.zeros(4), torch.ones(4)
