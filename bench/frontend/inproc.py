@@ -62,7 +62,13 @@ async def _serve(model: Path, requests: int, concurrency: int, resident: bool = 
     app = create_app(load_config(flags, environ={}), registry=CollectorRegistry())
     body = bytes(range(256)) * (150_528 // 256) + bytes(150_528 % 256)
 
-    async def one(state: dict[str, Any]) -> None:
+    import clipserve.http.request as request_module
+
+    # The connection's disconnect signal, as GuardedHttpProtocol puts it in the scope; a
+    # checkout from before it has none (its pipeline watches with a task per request).
+    watch_key: str | None = getattr(request_module, "WATCH_SCOPE_KEY", None)
+
+    async def one(state: dict[str, Any], connection: dict[str, Any]) -> None:
         scope = {
             "type": "http",
             "asgi": {"version": "3.0"},
@@ -77,6 +83,7 @@ async def _serve(model: Path, requests: int, concurrency: int, resident: bool = 
             "client": ("127.0.0.1", 5000),
             "server": ("127.0.0.1", 8000),
             "state": dict(state),
+            **connection,
         }
         messages = [{"type": "http.request", "body": body, "more_body": False}]
         connected = asyncio.Event()  # set never: the client stays until its answer
@@ -97,8 +104,10 @@ async def _serve(model: Path, requests: int, concurrency: int, resident: bool = 
             raise RuntimeError(f"answered {status}")
 
     async def client(state: dict[str, Any], n: int) -> None:
+        # One kept-alive connection: one watch for all its requests, as uvicorn's protocol has.
+        connection = {watch_key: request_module.DisconnectWatch()} if watch_key else {}
         for _ in range(n):
-            await one(state)
+            await one(state, connection)
 
     async with app.router.lifespan_context(app) as lifespan_state:
         state = dict(lifespan_state or {})

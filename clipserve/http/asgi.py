@@ -16,7 +16,14 @@ from starlette.types import Receive, Scope, Send
 
 from clipserve.errors import PayloadTooLarge
 from clipserve.http.cache_keys import reads_cache
-from clipserve.http.request import BodyBudget, ClientGone, RequestContext, request_timeout
+from clipserve.http.request import (
+    WATCH_SCOPE_KEY,
+    BodyBudget,
+    ClientGone,
+    DisconnectWatch,
+    RequestContext,
+    request_timeout,
+)
 from clipserve.http.timing import StageTimer
 from clipserve.http.work import Encoded
 
@@ -74,6 +81,8 @@ class AsgiExchange:
         self.request_id: str = self.state["request_id"]  # the observer's
         self.timer = StageTimer()
         self.state["timer"] = self.timer
+        # The connection's disconnect signal, where the server gives one (http/server.py).
+        self.watch: DisconnectWatch | None = scope.get(WATCH_SCOPE_KEY)
 
     @property
     def fresh(self) -> bool:
@@ -107,6 +116,7 @@ class AsgiExchange:
             budget.reserve(len(chunk))
             ctx.reserved_bytes += len(chunk)
             chunks.append(chunk)
+        ctx.watch = self.watch  # the body is read: from here on, a disconnect is all it says
         # One chunk, the usual case once uvicorn has gathered the body: used as it came.
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 

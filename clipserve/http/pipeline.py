@@ -356,7 +356,7 @@ class Pipeline(Generic[TicketT]):
         else:
             run = tower.run(ticket, arrays, normalize=normalize, request_id=rid)
         try:
-            completed = await unless_gone(ctx.gone, run)  # the deadline: the ticket's
+            completed = await unless_gone(ctx.gone, run, ctx.watch)  # the deadline: the ticket's
         except BaseException as e:
             ctx.timer.add("queue", time.perf_counter() - t0)  # a failed request shows its wait
             if found is not None and isinstance(e, ClipserveError):

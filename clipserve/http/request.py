@@ -4,7 +4,7 @@ the body budget, and a watch on its connection."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -27,10 +27,36 @@ class RequestContext:
     gone: Callable[[], Awaitable[None]]  # returns once the client has gone away
     body_bytes: int = 0
     reserved_bytes: int = 0  # share of --max-body-bytes-in-flight held until the request ends
+    # The connection's own disconnect signal where the server gives one (uvicorn through
+    # GuardedHttpProtocol): the wait for the answer then needs no watcher task.
+    watch: DisconnectWatch | None = None
 
 
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
+
+
+WATCH_SCOPE_KEY = "clipserve.disconnect"  # where the server puts a connection's watch
+
+
+class DisconnectWatch:
+    """One connection's going away, as its protocol learns of it (`connection_lost`): the
+    callbacks of the waits on it, if any, run then. One request runs at a time on a
+    connection (uvicorn queues pipelined ones); a request waits on both towers at once in
+    two tasks, so the callbacks are a list, not a slot."""
+
+    __slots__ = ("callbacks", "gone")
+
+    def __init__(self) -> None:
+        self.gone = False
+        self.callbacks: list[Callable[[], None]] = []
+
+    def lost(self) -> None:
+        """Called by the protocol once the connection is closed."""
+        self.gone = True
+        callbacks, self.callbacks = self.callbacks, []
+        for callback in callbacks:
+            callback()
 
 
 class BodyBudget:
@@ -61,9 +87,14 @@ async def until_disconnected(receive: Receive) -> None:
         pass
 
 
-async def unless_gone(gone: Callable[[], Awaitable[None]], work: Awaitable[T]) -> T:
+async def unless_gone(
+    gone: Callable[[], Awaitable[None]], work: Awaitable[T], watch: DisconnectWatch | None = None
+) -> T:
     """Await `work` in this task, cancelling it if the client goes away first (its items leave
-    the queue): ClientGone then. One watcher task per request; the work runs in the caller's."""
+    the queue): ClientGone then. With the connection's `watch`, its callback cancels; else one
+    watcher task awaits `gone()`. The work runs in the caller's task either way."""
+    if watch is not None:
+        return await _unless_lost(watch, work)
     task = asyncio.current_task()
     assert task is not None
     left = False
@@ -86,6 +117,38 @@ async def unless_gone(gone: Callable[[], Awaitable[None]], work: Awaitable[T]) -
     finally:
         watcher.remove_done_callback(leave)
         watcher.cancel()
+    if left:  # the work finished despite our cancellation: the client is gone all the same
+        task.uncancel()
+        raise ClientGone()
+    return result
+
+
+async def _unless_lost(watch: DisconnectWatch, work: Awaitable[T]) -> T:
+    """`unless_gone` on the connection's own signal: no task, a callback on its list."""
+    task = asyncio.current_task()
+    assert task is not None
+    left = False
+
+    def leave() -> None:
+        nonlocal left
+        left = True
+        task.cancel()
+
+    if watch.gone:  # gone already: the work never starts (nothing of it was queued)
+        if isinstance(work, Coroutine):
+            work.close()
+        raise ClientGone()
+    watch.callbacks.append(leave)
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        if not left:  # the deadline's, or the server's drain: theirs to handle
+            raise
+        task.uncancel()  # ours, taken back
+        raise ClientGone() from None
+    finally:
+        if not left:
+            watch.callbacks.remove(leave)
     if left:  # the work finished despite our cancellation: the client is gone all the same
         task.uncancel()
         raise ClientGone()

@@ -39,6 +39,7 @@ from clipserve.http.connections import (
     refusal_room,
     take_queued,
 )
+from clipserve.http.request import WATCH_SCOPE_KEY, DisconnectWatch
 from clipserve.protocol.responses import encode_error
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         # A body's bytes on the wire less its data, less an allowance per chunk: above 0, the
         # framing is padded (chunk sizes with leading zeros, extensions, trailers).
         self._framing = 0
+        # Its requests' wait for their answers learns of a disconnect from connection_lost.
+        self._watch = DisconnectWatch()
         refusals = self.refusals
         refusals.pending += 1  # built as the socket is accepted: counted from here on
         gate = refusals.gate
@@ -165,6 +168,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._refused:
             refusals.closing -= 1
         super().connection_lost(exc)
+        self._watch.lost()
         gate = refusals.gate
         open_now = len(self.connections) + refusals.pending
         if gate is not None and gate.paused and open_now < refusals.resume_below:
@@ -239,6 +243,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
+        self.scope[WATCH_SCOPE_KEY] = self._watch  # type: ignore[literal-required]
         HttpToolsProtocol.on_headers_complete(self)
         if self._draining:
             self.cycle.keep_alive = False  # the one request a draining server still takes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import re
 from collections.abc import Callable, Mapping, Sized
 from dataclasses import dataclass, field
@@ -22,7 +23,14 @@ from clipserve.errors import (
 )
 from clipserve.protocol.media import JSON, media_type
 from clipserve.protocol.multipart import parse_files
-from clipserve.protocol.tensors import check_count, parse_shape, parse_tensor
+from clipserve.protocol.tensors import (
+    TensorLayout,
+    check_count,
+    parse_shape,
+    parse_tensor,
+    tensor_layout,
+    tensor_view,
+)
 from clipserve.protocol.urls import is_url, url_refused
 
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp")
@@ -193,9 +201,15 @@ def _raw_tensor(r: RequestBody) -> Payload:
     dtype, shape = r.headers.get("x-tensor-dtype"), r.headers.get("x-tensor-shape")
     if dtype is None or shape is None:
         raise InvalidBody("application/octet-stream needs X-Tensor-Dtype and X-Tensor-Shape")
-    dims = parse_shape(shape)
-    tensor = parse_tensor(dtype.strip().lower(), dims, r.data, r.size, r.max_items)
-    return Payload("raw-tensor", tensor=tensor)
+    layout = _header_layout(dtype, shape, r.size, r.max_items)
+    return Payload("raw-tensor", tensor=tensor_view(layout, r.data))
+
+
+@functools.lru_cache(maxsize=256)
+def _header_layout(dtype: str, shape: str, size: tuple[int, int], max_items: int) -> TensorLayout:
+    """The headers' layout, checked once per distinct pair: clients send the same few over
+    and over. A refused pair raises, and is not cached."""
+    return tensor_layout(dtype.strip().lower(), parse_shape(shape), size, max_items)
 
 
 def _json(r: RequestBody) -> Payload:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -53,6 +54,22 @@ def parse_tensor(
 ) -> np.ndarray:
     """`data` as an array of `shape` (a view: nothing is copied), once dtype, shape and length
     fit the model's layout; `size` is its (height, width)."""
+    return tensor_view(tensor_layout(dtype, shape, size, max_items), data)
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """A request tensor's dtype and shape, checked against the model: all but its bytes."""
+
+    dtype: str
+    dims: tuple[int, ...]
+    nbytes: int  # what the body must hold
+
+
+def tensor_layout(
+    dtype: str, shape: Sequence[object], size: tuple[int, int], max_items: int
+) -> TensorLayout:
+    """`parse_tensor`'s checks of dtype and shape (InvalidTensor, TooManyItems)."""
     if dtype not in DTYPES:
         raise InvalidTensor(f"dtype {dtype!r} is not supported; use uint8, float16 or float32")
     dims = [d for d in shape if isinstance(d, int) and not isinstance(d, bool)]
@@ -74,11 +91,18 @@ def parse_tensor(
             f"[N, {', '.join(map(str, layout))}] (see GET /info)"
         )
     itemsize = np.dtype(DTYPES[dtype]).itemsize
-    expected = math.prod(dims) * itemsize
-    if len(data) != expected:
-        raise InvalidTensor(f"shape {dims} of {dtype} needs {expected} bytes; got {len(data)}")
-    array = np.frombuffer(data, dtype=DTYPES[dtype]).reshape(dims)
-    if dtype != "uint8":
+    return TensorLayout(dtype, tuple(dims), math.prod(dims) * itemsize)
+
+
+def tensor_view(layout: TensorLayout, data: bytes | memoryview) -> np.ndarray:
+    """`data` as an array of `layout` (a view), once its length fits; floats range-checked."""
+    if len(data) != layout.nbytes:
+        raise InvalidTensor(
+            f"shape {list(layout.dims)} of {layout.dtype} needs {layout.nbytes} bytes; "
+            f"got {len(data)}"
+        )
+    array = np.frombuffer(data, dtype=DTYPES[layout.dtype]).reshape(layout.dims)
+    if layout.dtype != "uint8":
         check_range(array)
     return array
 

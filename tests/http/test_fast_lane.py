@@ -22,7 +22,7 @@ from starlette.routing import Route
 from clipserve.http.app import create_app
 from clipserve.http.door import InferenceEndpoint
 from clipserve.http.fastlane import FastLane, first_match
-from clipserve.http.request import ClientGone, unless_gone
+from clipserve.http.request import ClientGone, DisconnectWatch, unless_gone
 from clipserve.logs import ACCESS_LOGGER
 from tests.helpers import make_config
 
@@ -342,5 +342,131 @@ def test_work_that_swallows_the_cancellation_still_reports_the_client_gone() -> 
             await unless_gone(lambda: _gone_after(0.01), stubborn())
         task = asyncio.current_task()
         assert task is not None and task.cancelling() == 0
+
+    asyncio.run(run())
+
+
+# ---- unless_gone on the connection's watch: no task, the protocol's callback cancels --------
+
+
+async def _never() -> None:
+    raise AssertionError("with a watch, no watcher awaits gone()")
+
+
+def test_a_connection_lost_cancels_the_work_through_its_watch() -> None:
+    cancelled = asyncio.Event()
+    watch = DisconnectWatch()
+
+    async def work() -> int:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return 1
+
+    async def run() -> None:
+        tasks_before = len(asyncio.all_tasks())
+        asyncio.get_running_loop().call_later(0.01, watch.lost)  # as connection_lost calls it
+        waiting = asyncio.ensure_future(unless_gone(_never, work(), watch))
+        await asyncio.sleep(0)
+        assert len(asyncio.all_tasks()) == tasks_before + 1  # the waiting one only: no watcher
+        with pytest.raises(ClientGone):
+            await waiting
+        assert cancelled.is_set()
+        assert waiting.cancelling() == 0  # our cancellation taken back
+        assert watch.callbacks == []
+
+    asyncio.run(run())
+
+
+def test_work_done_first_leaves_the_watch_free_for_the_next_request() -> None:
+    watch = DisconnectWatch()
+
+    async def run() -> list[int]:
+        answers = [await unless_gone(_never, asyncio.sleep(0.001, result=n), watch) for n in (1, 2)]
+        assert watch.callbacks == []
+        watch.lost()  # after the answers: nobody is cancelled
+        await asyncio.sleep(0)
+        return answers
+
+    assert asyncio.run(run()) == [1, 2]
+
+
+def test_a_connection_gone_before_the_wait_starts_no_work() -> None:
+    watch = DisconnectWatch()
+    watch.lost()
+    started: list[int] = []
+
+    async def work() -> int:
+        started.append(1)
+        return 1
+
+    async def run() -> None:
+        with pytest.raises(ClientGone):
+            await unless_gone(_never, work(), watch)
+        task = asyncio.current_task()
+        assert task is not None and task.cancelling() == 0
+
+    asyncio.run(run())  # warnings are errors: an unawaited coroutine would fail here
+    assert started == []
+
+
+def test_a_deadline_with_a_watch_is_not_a_client_gone() -> None:
+    watch = DisconnectWatch()
+
+    async def run() -> None:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.01):
+                await unless_gone(_never, asyncio.sleep(10), watch)
+        assert watch.callbacks == []
+
+    asyncio.run(run())
+
+
+def test_work_that_swallows_the_cancellation_still_reports_a_lost_connection() -> None:
+    watch = DisconnectWatch()
+
+    async def stubborn() -> int:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            return 3
+        return 0
+
+    async def run() -> None:
+        asyncio.get_running_loop().call_later(0.01, watch.lost)
+        with pytest.raises(ClientGone):
+            await unless_gone(_never, stubborn(), watch)
+        task = asyncio.current_task()
+        assert task is not None and task.cancelling() == 0
+
+    asyncio.run(run())
+
+
+def test_two_waits_on_one_connection_are_both_cancelled() -> None:
+    watch = DisconnectWatch()  # a request waiting on both towers: two tasks, one connection
+
+    async def run() -> list[bool]:
+        first = asyncio.ensure_future(unless_gone(_never, asyncio.sleep(10), watch))
+        second = asyncio.ensure_future(unless_gone(_never, asyncio.sleep(10), watch))
+        await asyncio.sleep(0)
+        watch.lost()
+        done = await asyncio.gather(first, second, return_exceptions=True)
+        return [isinstance(d, ClientGone) for d in done]
+
+    assert asyncio.run(run()) == [True, True]
+
+
+def test_one_wait_ending_leaves_the_other_watched() -> None:
+    watch = DisconnectWatch()
+
+    async def run() -> None:
+        short = asyncio.ensure_future(unless_gone(_never, asyncio.sleep(0.001, result=1), watch))
+        long = asyncio.ensure_future(unless_gone(_never, asyncio.sleep(10), watch))
+        assert await short == 1
+        watch.lost()
+        with pytest.raises(ClientGone):
+            await long
 
     asyncio.run(run())

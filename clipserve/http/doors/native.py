@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import QueryParams
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -33,8 +34,8 @@ from clipserve.protocol.text import text_protocol, texts_from
 TENSOR_HEADERS = ("x-tensor-dtype", "x-tensor-shape")
 
 
-def _flag(request: Request, name: str, default: bool) -> bool:
-    raw = request.query_params.get(name)
+def _flag(query: QueryParams, name: str, default: bool) -> bool:
+    raw = query.get(name)
     if raw is None:
         return default
     value = raw.strip().lower()
@@ -59,9 +60,15 @@ class Answer:
 
     @classmethod
     def of(cls, request: Request) -> Answer:
-        media = _negotiate(request.headers.get("accept"), RESPONSE_TYPES)
-        normalize = _flag(request, "normalize", True)
-        return cls(media, out_dtype(request.query_params.get("dtype")), normalize)
+        return _answer(request.headers.get("accept"), request.scope.get("query_string", b""))
+
+    @classmethod
+    def parse(cls, accept: str | None, query_string: bytes) -> Answer:
+        """406 for an Accept it cannot meet, 400 for a bad `?normalize=` or `?dtype=`."""
+        media = _negotiate(accept, RESPONSE_TYPES)
+        query = QueryParams(query_string)
+        normalize = _flag(query, "normalize", True)
+        return cls(media, out_dtype(query.get("dtype")), normalize)
 
     def encode(self, runtime: Serving, completed: Completed | None, single: bool) -> Encoded:
         assert completed is not None
@@ -70,6 +77,22 @@ class Answer:
             completed.embeddings, single=single, meta=meta, media=self.media, dtype=self.dtype
         )
         return Encoded(content, self.media, headers)
+
+
+# Clients send the same few Accept headers and query strings over and over: an answer's
+# choices are read once per pair (frozen, so shared); a refused pair raises, not cached.
+_answer = functools.lru_cache(maxsize=256)(Answer.parse)
+
+
+@functools.lru_cache(maxsize=256)
+def _image_codec(content_type: str, tensor_dtype: str | None) -> tuple[ImageCodec, bool]:
+    """The codec for a Content-Type (415 before the body is read), and whether its parse is
+    cheap enough for the event loop: one encoded image, or a uint8 raw tensor (a few checks
+    and a view of the body: a hop to the pool costs more). Float tensors are range-checked:
+    in the pool."""
+    codec = image_codec(content_type)
+    dtype = (tensor_dtype or "").strip().lower()
+    return codec, codec.inline or (media_type(content_type) == RAW_TENSOR and dtype == "uint8")
 
 
 @dataclass(frozen=True)
@@ -90,15 +113,11 @@ class EmbedImages:
     def of(cls, request: Request, pipeline: Pipeline[Any]) -> EmbedImages:
         headers = request.headers
         content_type = headers.get("content-type", "")
-        codec = image_codec(content_type)
         tensor_headers = {k: v for k in TENSOR_HEADERS if (v := headers.get(k)) is not None}
+        codec, inline = _image_codec(content_type, tensor_headers.get("x-tensor-dtype"))
         limit = pipeline.config.limits.max_items_per_request
         answer = Answer.of(request)
         fetch = pipeline.fetcher.enabled
-        # A uint8 raw tensor is parsed by a few checks and a view of the body: a hop to the
-        # pool costs more than that. Float tensors are range-checked: in the pool.
-        dtype = tensor_headers.get("x-tensor-dtype", "").strip().lower()
-        inline = codec.inline or (media_type(content_type) == RAW_TENSOR and dtype == "uint8")
         return cls(
             pipeline.runtime, codec, content_type, tensor_headers, answer, limit, fetch, inline
         )
