@@ -19,6 +19,8 @@ JPEG requests per core, today's Pillow path against the fast path (inference/jpe
   scales   round 3: simplejpeg's n/8 DCT scales, each one's decode cost on the 640x480 image
            (interleaved, thread CPU time) and its parity with open_clip on the photos.
 
+Round 4 (--round round_4): `attribution`, `passes` (bench/jpeg_serve.py); `served`: two rows.
+
 Round 3 (--round round_3) adds the fast path's decode setting (inference/jpeg.py: plain chroma
 upsampling where the resize shrinks >= 2x) as a served variant beside round 2's,
 and writes its sections under that key of the existing JSON, keeping the earlier rows.
@@ -335,6 +337,11 @@ ROUND_3_VARIANTS: list[Variant] = [
     ("fast path, round 2 (fancy upsampling)", False, None, ROUND_2),
     ("fast path, round 3 default (plain upsampling at >= 2x shrink)", False, None, None),
 ]
+ROUND_4_VARIANTS: list[Variant] = [
+    (BASELINE, True, 1, None),
+    ("fast path (the default)", False, None, None),
+]
+ROUNDS = {"round_3": ROUND_3_VARIANTS, "round_4": ROUND_4_VARIANTS}
 
 
 def served_variants(
@@ -362,7 +369,7 @@ def section_served(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     model = tmp / "fake-512.json"
     model.write_text(json.dumps(FAKE_CONFIG))
     reqs = requests_of("jpeg")
-    variants = ROUND_3_VARIANTS if a.round == "round_3" else ROUND_2_VARIANTS
+    variants = ROUNDS.get(a.round, ROUND_2_VARIANTS)
     servers = served_variants(tmp, model, a.head, variants)
     samples: dict[str, list[dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack, affinity({a.client_core}):
@@ -480,6 +487,10 @@ def main(argv: list[str] | None = None) -> None:
                 from bench.jpeg_scales import section_scales  # it imports this module
 
                 result["scales"] = section_scales(a)
+            elif section in ("attribution", "passes"):  # round 4
+                from bench.jpeg_serve import SECTIONS
+
+                result[section] = SECTIONS[section](a, Path(tmp))
             write(a, result)  # a partial run still reports
     say(f"wrote {a.out}")
 
