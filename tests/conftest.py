@@ -75,3 +75,19 @@ def module_server(tiny_config: Path, tiny_checkpoint: Path) -> Iterator[RunningS
     """One tiny-model server for a whole test module (protocol suites), 8 items per request."""
     with running(make_config(tiny_config, tiny_checkpoint, max_items_per_request=8)) as s:
         yield s
+
+
+@pytest.fixture
+def host_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Rows `crops_numpy` brought to the host with --decode gpu (the real function, counted)."""
+    import clipserve.inference.gpu_decode as gpu_decode
+
+    real = gpu_decode.crops_numpy
+    copied: list[int] = []
+
+    def counted(batch: Any) -> Any:
+        copied.append(len(batch.ok))
+        return real(batch)
+
+    monkeypatch.setattr(gpu_decode, "crops_numpy", counted)
+    return copied

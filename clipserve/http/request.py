@@ -93,38 +93,6 @@ async def unless_gone(
     """Await `work` in this task, cancelling it if the client goes away first (its items leave
     the queue): ClientGone then. With the connection's `watch`, its callback cancels; else one
     watcher task awaits `gone()`. The work runs in the caller's task either way."""
-    if watch is not None:
-        return await _unless_lost(watch, work)
-    task = asyncio.current_task()
-    assert task is not None
-    left = False
-
-    def leave(watcher: asyncio.Future[None]) -> None:
-        nonlocal left
-        if not watcher.cancelled() and watcher.exception() is None:
-            left = True
-            task.cancel()
-
-    watcher = asyncio.ensure_future(gone())
-    watcher.add_done_callback(leave)
-    try:
-        result = await work
-    except asyncio.CancelledError:
-        if not left:  # the deadline's, or the server's drain: theirs to handle
-            raise
-        task.uncancel()  # ours, taken back
-        raise ClientGone() from None
-    finally:
-        watcher.remove_done_callback(leave)
-        watcher.cancel()
-    if left:  # the work finished despite our cancellation: the client is gone all the same
-        task.uncancel()
-        raise ClientGone()
-    return result
-
-
-async def _unless_lost(watch: DisconnectWatch, work: Awaitable[T]) -> T:
-    """`unless_gone` on the connection's own signal: no task, a callback on its list."""
     task = asyncio.current_task()
     assert task is not None
     left = False
@@ -134,11 +102,30 @@ async def _unless_lost(watch: DisconnectWatch, work: Awaitable[T]) -> T:
         left = True
         task.cancel()
 
-    if watch.gone:  # gone already: the work never starts (nothing of it was queued)
-        if isinstance(work, Coroutine):
-            work.close()
-        raise ClientGone()
-    watch.callbacks.append(leave)
+    stop: Callable[[], None]
+    if watch is not None:
+        if watch.gone:  # gone already: the work never starts (nothing of it was queued)
+            if isinstance(work, Coroutine):
+                work.close()
+            raise ClientGone()
+        watch.callbacks.append(leave)
+
+        def stop() -> None:
+            if not left:
+                watch.callbacks.remove(leave)
+    else:
+
+        def on_watcher(watcher: asyncio.Future[None]) -> None:
+            if not watcher.cancelled() and watcher.exception() is None:
+                leave()
+
+        watcher = asyncio.ensure_future(gone())
+        watcher.add_done_callback(on_watcher)
+
+        def stop() -> None:
+            watcher.remove_done_callback(on_watcher)
+            watcher.cancel()
+
     try:
         result = await work
     except asyncio.CancelledError:
@@ -147,8 +134,7 @@ async def _unless_lost(watch: DisconnectWatch, work: Awaitable[T]) -> T:
         task.uncancel()  # ours, taken back
         raise ClientGone() from None
     finally:
-        if not left:
-            watch.callbacks.remove(leave)
+        stop()
     if left:  # the work finished despite our cancellation: the client is gone all the same
         task.uncancel()
         raise ClientGone()

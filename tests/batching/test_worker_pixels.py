@@ -90,20 +90,6 @@ def build(
 
 
 @pytest.fixture
-def host_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many rows `crops_numpy` brought to the host (the real function, counted)."""
-    real = gpu_decode.crops_numpy
-    copied: list[int] = []
-
-    def counted(batch: DecodedBatch) -> np.ndarray:
-        copied.append(len(batch.ok))
-        return real(batch)
-
-    monkeypatch.setattr(gpu_decode, "crops_numpy", counted)
-    return copied
-
-
-@pytest.fixture
 def make_executor(
     tiny_loaded: Any, tiny_config: Any, tiny_checkpoint: Any, tmp_path: Path
 ) -> Iterator[Any]:

@@ -18,12 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-import clipserve.inference.gpu_decode as gpu_decode
 from clipserve import errors
 from clipserve.config import LimitsConfig
 from clipserve.errors import ExecutorFatal, InvalidImage, StartupError
 from clipserve.inference.decode_process import DecodeProcess
-from clipserve.inference.gpu_decode import DecodedBatch, DeviceDecoder, crops_numpy
+from clipserve.inference.gpu_decode import DeviceDecoder, crops_numpy
 from clipserve.inference.nvjpeg import NvjpegOwner
 from clipserve.inference.preprocess import ImageDecoder, PreprocessSpec
 from clipserve.loadgen.images import jpeg
@@ -40,19 +39,6 @@ SPEC = PreprocessSpec(
     resize_mode="shortest",
 )
 LIMITS = LimitsConfig()
-
-
-@pytest.fixture
-def host_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Rows `crops_numpy` brought to the host (the real function, counted)."""
-    copied: list[int] = []
-
-    def counted(batch: DecodedBatch) -> np.ndarray:
-        copied.append(len(batch.ok))
-        return crops_numpy(batch)
-
-    monkeypatch.setattr(gpu_decode, "crops_numpy", counted)
-    return copied
 
 
 @pytest.fixture(scope="module")
