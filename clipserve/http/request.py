@@ -45,11 +45,15 @@ class DisconnectWatch:
     connection (uvicorn queues pipelined ones); a request waits on both towers at once in
     two tasks, so the callbacks are a list, not a slot."""
 
-    __slots__ = ("callbacks", "gone")
+    __slots__ = ("callbacks", "gone", "listen")
 
     def __init__(self) -> None:
         self.gone = False
         self.callbacks: list[Callable[[], None]] = []
+        # The protocol's resume_reading: uvicorn stops reading while a body past 64 KiB waits
+        # to be taken, and a socket not read never reports its close. (A watcher awaiting
+        # `receive()` resumed it the same way.)
+        self.listen: Callable[[], None] = lambda: None
 
     def lost(self) -> None:
         """Called by the protocol once the connection is closed."""
@@ -108,6 +112,7 @@ async def unless_gone(
             if isinstance(work, Coroutine):
                 work.close()
             raise ClientGone()
+        watch.listen()  # the body is read: hear the close even if reading was paused
         watch.callbacks.append(leave)
 
         def stop() -> None:

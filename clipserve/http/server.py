@@ -145,6 +145,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         refusals = self.refusals
         refusals.pending -= 1
         super().connection_made(transport)  # registered, so a shutdown closes it too
+        self._watch.listen = self.flow.resume_reading
         open_before = len(self.connections) - refusals.closing - 1
         if open_before >= self.limits.max_connections:
             # Answered at once, before the request arrives: refusing must stay cheap for a

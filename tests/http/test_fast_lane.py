@@ -380,6 +380,20 @@ def test_a_connection_lost_cancels_the_work_through_its_watch() -> None:
     asyncio.run(run())
 
 
+def test_the_wait_resumes_reading_so_that_a_close_is_heard() -> None:
+    """uvicorn stops reading while a body past 64 KiB waits to be taken (on_body pauses, the
+    app's receive() resumes); after the last chunk nobody calls receive(), so the wait itself
+    must resume it, or the socket's close goes unread and the request stays queued."""
+    watch = DisconnectWatch()
+    resumed: list[bool] = []
+    watch.listen = lambda: resumed.append(True)
+
+    async def run() -> int:
+        return await unless_gone(_never, asyncio.sleep(0, result=1), watch)
+
+    assert asyncio.run(run()) == 1 and resumed == [True]
+
+
 def test_work_done_first_leaves_the_watch_free_for_the_next_request() -> None:
     watch = DisconnectWatch()
 
