@@ -169,7 +169,6 @@ def test_restarted_front_ends_metrics_are_merged_and_counters_never_drop(
     with servers(tiny_config, tmpdir, 1) as (server,):
         (metrics,) = tmpdir.glob(f"clipserve-{server.pid}-*/metrics")
         sent = 0
-        sizes = []
         for restart in range(4):
             for _ in range(6):
                 r = httpx.post(server.url + "/embed/text", json={"texts": ["a"]}, timeout=30)
@@ -179,11 +178,13 @@ def test_restarted_front_ends_metrics_are_merged_and_counters_never_drop(
             _kill_front_end(server, server.front_ends()[restart % 2], metrics)
             # Every request counted once: none lost with the dead front end, none twice.
             assert _requests_total(server) == sent
-            sizes.append(len(list(metrics.glob("*.db"))))
         names = sorted(p.name for p in metrics.glob("*.db"))
         assert "counter_merged.db" in names and "histogram_merged.db" in names, names
-        # One set of files per live process, plus the merged ones: not one more per restart.
-        assert sizes[-1] == sizes[0], (sizes, names)
+        # One set of files per live process, plus one merged file per metric kind: none left
+        # per restart. (Counting files would race: a process writes a kind's file only once
+        # it has touched such a metric, and the kernel spreads the requests at random.)
+        shared = [n for n in names if not re.search(r"_\d+\.db$", n)]
+        assert all(re.fullmatch(r"[a-z_]+_(merged|supervisor)\.db", n) for n in shared), names
         pids = {int(m.group(1)) for n in names if (m := re.search(r"_(\d+)\.db$", n))}
         assert pids <= {
             *server.front_ends(),
