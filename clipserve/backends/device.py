@@ -99,6 +99,13 @@ def torch_device_name(device: str) -> str:
     return device if is_cuda(device) else CPU
 
 
+def indexed_torch_device(device: str) -> str:
+    """`torch_device_name` with the index written out ("cuda" is "cuda:0"): how GPU decode names
+    the device its crops are on, and so what an executor that takes them compares with."""
+    index = cuda_index(device)
+    return CPU if index is None else cuda_device(index)
+
+
 def select_device(device: str) -> None:
     """Thread initialiser: make `device` this thread's current CUDA device before anything else
     runs on it. On the CPU and on simulated devices nothing touches CUDA."""

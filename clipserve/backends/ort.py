@@ -32,12 +32,11 @@ import numpy as np
 
 from clipserve.backends.base import ExecutorInfo, ExecutorSpec, check_batch, check_pixels
 from clipserve.backends.device import (
-    cuda_device,
     cuda_index,
     fatal_device_errors,
+    indexed_torch_device,
     is_cpu,
     is_cuda,
-    torch_device_name,
 )
 from clipserve.backends.onnx_export import (
     INPUT,
@@ -309,9 +308,7 @@ class OrtExecutor:
         )
         self.info = ExecutorInfo(backend, device, precision, self.spec.size, model.embed_dim)
         # GPU decode's crops on this device are bound as they are (`run_pixels`).
-        self.pixel_device = (
-            cuda_device(self.device_id) if self.on_cuda else torch_device_name(device)
-        )
+        self.pixel_device = indexed_torch_device(device)
 
     def _bind(self, binding: Any, name: str, value: Any, shape: tuple[int, ...], out: bool) -> None:
         bind = binding.bind_output if out else binding.bind_input

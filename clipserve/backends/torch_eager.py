@@ -35,11 +35,9 @@ from clipserve.backends.base import (
     normalisation_affine,
 )
 from clipserve.backends.device import (
-    CPU,
-    cuda_device,
-    cuda_index,
     device_context,
     fatal_device_errors,
+    indexed_torch_device,
     is_cpu,
     is_cuda,
 )
@@ -157,8 +155,7 @@ class TorchExecutor:
         self.info = ExecutorInfo(
             backend, str(self.device), precision, self.spec.size, model.embed_dim
         )
-        index = cuda_index(device)  # GPU decode names its device with its index: "cuda:N"
-        self.pixel_device = CPU if index is None else cuda_device(index)
+        self.pixel_device = indexed_torch_device(device)  # where GPU decode's crops must be
 
     def _to_device(self, batch: np.ndarray) -> torch.Tensor:
         x = self.layer.stage(batch).to(self.device, non_blocking=True)  # on the current stream

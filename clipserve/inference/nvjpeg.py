@@ -27,17 +27,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from clipserve.backends.device import cuda_index
+from clipserve.backends.device import indexed_torch_device
 from clipserve.backends.torch_device import DeviceLayer, Stream, device_layer
 from clipserve.errors import StartupError
 
 
 def indexed(device: str | torch.device) -> torch.device:
     """`device` as torchvision should see it: "cuda" is "cuda:0" (device.py's convention)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", cuda_index("cuda"))
-    return device
+    return torch.device(indexed_torch_device(str(device)))
 
 
 class NvjpegOwner:
