@@ -55,7 +55,6 @@ class DecodeProcess:
         from clipserve.inference.nvjpeg import indexed
 
         self.device = indexed(device)
-        self.spec = spec
         # spawn: a forked child would inherit the parent's CUDA state, which CUDA forbids.
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()

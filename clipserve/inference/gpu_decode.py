@@ -148,6 +148,8 @@ class BatchDecoder(Protocol):
 
     def decode(self, images: Sequence[bytes]) -> DecodedBatch: ...
 
+    def close(self) -> None: ...
+
 
 class DeviceDecoder:
     """Encoded images → uint8 NHWC crops on `device` ("cuda:N", or "cpu" for tests).
@@ -188,6 +190,9 @@ class DeviceDecoder:
         self._mode = self.spec.interpolation  # "bicubic" | "bilinear", checked by the spec
         # CUDA's antialiased kernels take floats only; the CPU's also take uint8.
         self.uint8_resize = self.device.type == "cpu"
+
+    def close(self) -> None:
+        """Nothing of its own to free: torchvision's decoder lives as long as the process."""
 
     def check(self, data: bytes) -> Header:
         """The host's header checks, and a JPEG's entropy-coded data; raises the ClipserveError

@@ -102,12 +102,8 @@ class Runtime:
 
     def close(self) -> None:
         _close(self.executors, self.text_executors, self.threads, self.text_threads, wait=True)
-        if self.device_decoders:  # --decode gpu: torch is loaded
-            from clipserve.inference.decode_process import DecodeProcess
-
-            for decoder in self.device_decoders:
-                if isinstance(decoder, DecodeProcess):
-                    decoder.close()
+        for decoder in self.device_decoders:  # --decode gpu: a child process each, if several
+            decoder.close()
 
 
 def device_thread(device: str) -> ThreadPoolExecutor:

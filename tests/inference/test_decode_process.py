@@ -50,9 +50,11 @@ def child(tiny_loaded: Any) -> Iterator[DecodeProcess]:
     process.close()
 
 
-def test_crops_and_errors_match_the_decoder_in_this_process(child: DecodeProcess) -> None:
+def test_crops_and_errors_match_the_decoder_in_this_process(
+    child: DecodeProcess, tiny_loaded: Any
+) -> None:
     images = [jpeg(640, 480, seed=1), b"\xff\xd8 not a jpeg", jpeg(300, 500, seed=2)]
-    host = ImageDecoder.from_limits(child.spec, LIMITS)
+    host = ImageDecoder.from_limits(tiny_loaded.preprocess, LIMITS)
     here = DeviceDecoder(host, "cpu", owner=NvjpegOwner()).decode(images)
     there = child.decode(images)
     assert there.pixels.device == torch.device("cpu") and child.device == torch.device("cpu")
