@@ -280,20 +280,22 @@ async def _gone_after(seconds: float) -> None:
     await asyncio.sleep(seconds)
 
 
+async def _until_cancelled(cancelled: asyncio.Event) -> int:
+    """Work that only ends by cancellation, which it records."""
+    try:
+        await asyncio.sleep(10)
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+    return 1
+
+
 def test_a_client_gone_first_cancels_the_work() -> None:
     cancelled = asyncio.Event()
 
-    async def work() -> int:
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        return 1
-
     async def run() -> None:
         with pytest.raises(ClientGone):
-            await unless_gone(lambda: _gone_after(0.01), work())
+            await unless_gone(lambda: _gone_after(0.01), _until_cancelled(cancelled))
         assert cancelled.is_set()
         task = asyncio.current_task()
         assert task is not None and task.cancelling() == 0  # our cancellation taken back
@@ -357,18 +359,10 @@ def test_a_connection_lost_cancels_the_work_through_its_watch() -> None:
     cancelled = asyncio.Event()
     watch = DisconnectWatch()
 
-    async def work() -> int:
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        return 1
-
     async def run() -> None:
         tasks_before = len(asyncio.all_tasks())
         asyncio.get_running_loop().call_later(0.01, watch.lost)  # as connection_lost calls it
-        waiting = asyncio.ensure_future(unless_gone(_never, work(), watch))
+        waiting = asyncio.ensure_future(unless_gone(_never, _until_cancelled(cancelled), watch))
         await asyncio.sleep(0)
         assert len(asyncio.all_tasks()) == tasks_before + 1  # the waiting one only: no watcher
         with pytest.raises(ClientGone):
