@@ -23,6 +23,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
+from clipserve.deferred_metrics import DeferredUpdates, FlushFirst
+
 if TYPE_CHECKING:  # clipserve.batching imports this module
     from clipserve.batching.tower import TowerKind
 
@@ -93,6 +95,10 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ
         self._gauges: list[Collector] = []
+        # The per-request updates (deferred_metrics.py): applied before this registry's
+        # metrics are collected, and every loop iteration where other processes read ours.
+        self.deferred = DeferredUpdates(every_iteration=self.multiprocess)
+        self.registry.register(FlushFirst(self.deferred))
         r = self.registry
         self.requests = Counter(
             "clipserve_requests", "HTTP requests", ["route", "status"], registry=r
@@ -251,6 +257,7 @@ class Metrics:
     def _all(self) -> CollectorRegistry:
         if not self.multiprocess:
             return self.registry
+        self.deferred.flush()  # this process's files first
         registry = CollectorRegistry()  # every process's files, summed, and this one's gauges
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         for gauges in self._gauges:

@@ -221,6 +221,7 @@ def create_app(
                 gc.unfreeze()
                 pool.shutdown(wait=True)
                 budget.close()
+                metrics.deferred.flush()  # under --workers N, others read this one's files
 
     pages = ErrorPages(DOORS)
     handlers: dict[Any, Handler] = {

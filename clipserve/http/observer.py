@@ -73,6 +73,7 @@ class RequestObserver:
         self.metrics = metrics
         self.pages = pages
         self.tracing = tracing
+        self.deferred = metrics.deferred
         self.counted = Children(metrics.requests)
         self.timed = Children(metrics.request_duration)
         self.labels: dict[str, str] = {}  # a route's path -> its label
@@ -133,8 +134,9 @@ class RequestObserver:
         finally:
             route = self._label(getattr(scope.get("route"), "path", "other"))
             elapsed = time.perf_counter() - t0
-            self.counted(route, str(status)).inc()
-            self.timed(route).observe(elapsed)
+            with self.deferred as d:
+                d.add(self.counted(route, str(status)))
+                d.observe(self.timed(route), elapsed)
             if span is not None:
                 span.finish(scope, route, status)
             if access_log.isEnabledFor(logging.INFO):

@@ -180,14 +180,15 @@ class Pipeline(Generic[TicketT]):
         """Triton's model statistics (http/stats.py): a request answered, its time, and for a
         success its stages and items."""
         c = self.counted
-        c.model_requests(tower, outcome).inc()
-        c.model_request_seconds(tower, outcome).inc(seconds)
-        if ctx is None or work is None:
-            return
-        for stage, spent in ctx.timer.stages.items():
-            c.model_stage_seconds(tower, stage).inc(spent)
-        c.model_items(tower).inc(work.count(tower))
-        c.model_last_inference(tower).set(time.time())
+        with self.metrics.deferred as d:
+            d.add(c.model_requests(tower, outcome))
+            d.add(c.model_request_seconds(tower, outcome), seconds)
+            if ctx is None or work is None:
+                return
+            for stage, spent in ctx.timer.stages.items():
+                d.add(c.model_stage_seconds(tower, stage), spent)
+            d.add(c.model_items(tower), work.count(tower))
+            d.set(c.model_last_inference(tower), time.time())
 
     async def in_pool(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """CPU work (parsing, decoding, tokenising) goes to the pool, never onto the event loop."""
@@ -322,8 +323,15 @@ class Pipeline(Generic[TicketT]):
             return [work.tensor[i] for i in picked]  # zero-copy rows; stacked on the device thread
         # The decoder, or with --decode gpu the header checks (JPEG bytes pass through).
         prepare = self.runtime.image_input or self.runtime.decoder
-        jobs = [self.in_pool(prepare, work.images[i]) for i in picked]
-        results = await asyncio.gather(*jobs, return_exceptions=True)
+        results: list[np.ndarray | BaseException]
+        if len(picked) == 1:  # most requests: awaited in this task (gather makes one more)
+            try:
+                results = [await self.in_pool(prepare, work.images[picked[0]])]
+            except Exception as e:
+                results = [e]
+        else:
+            jobs = [self.in_pool(prepare, work.images[i]) for i in picked]
+            results = await asyncio.gather(*jobs, return_exceptions=True)
         arrays: list[np.ndarray] = []
         for index, result in zip(picked, results, strict=True):
             if isinstance(result, ClipserveError):
@@ -393,10 +401,11 @@ class Pipeline(Generic[TicketT]):
     def record(self, ctx: RequestContext, protocol: str, response_bytes: int) -> None:
         """A 200 answer's stages and sizes in the per-protocol metrics."""
         c = self.counted
-        for stage, seconds in ctx.timer.stages.items():
-            c.stage_duration(stage, protocol).observe(seconds)
-        c.request_bytes(protocol).inc(ctx.body_bytes)
-        c.response_bytes(protocol).inc(response_bytes)
+        with self.metrics.deferred as d:
+            for stage, seconds in ctx.timer.stages.items():
+                d.observe(c.stage_duration(stage, protocol), seconds)
+            d.add(c.request_bytes(protocol), ctx.body_bytes)
+            d.add(c.response_bytes(protocol), response_bytes)
 
 
 class _Counted:

@@ -5,6 +5,7 @@ Real processes, signals and files."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -154,6 +155,10 @@ def _requests_total(server: Server) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+def _counted_at_least(server: Server, n: int) -> bool:
+    return _requests_total(server) >= n
+
+
 def _kill_front_end(server: Server, victim: int, metrics: Path) -> None:
     os.kill(victim, signal.SIGKILL)
     until(lambda: victim not in server.front_ends(), 30, "the front end gone")
@@ -174,6 +179,9 @@ def test_restarted_front_ends_metrics_are_merged_and_counters_never_drop(
                 r = httpx.post(server.url + "/embed/text", json={"texts": ["a"]}, timeout=30)
                 assert r.status_code == 200, r.text
                 sent += 1
+            # Counted once answered, and written once per loop iteration: the sum is awaited,
+            # and must then be exact.
+            until(functools.partial(_counted_at_least, server, sent), 5, "the counts")
             assert _requests_total(server) == sent
             _kill_front_end(server, server.front_ends()[restart % 2], metrics)
             # Every request counted once: none lost with the dead front end, none twice.
