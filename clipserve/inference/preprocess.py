@@ -22,6 +22,7 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from clipserve.config import LimitsConfig
 from clipserve.errors import ImageTooLarge, InvalidImage, StartupError
 from clipserve.inference.jpeg import PILLOW, FastJpeg, fast_jpeg, orient
+from clipserve.inference.jpeg_header import JpegHeader, coefficient_bytes, drafted_size, read_header
 from clipserve.protocol.urls import is_url, url_refused
 
 ACCEPTED_FORMATS = ("JPEG", "PNG", "WEBP")
@@ -90,8 +91,11 @@ def _per_channel(values: Iterable[float]) -> tuple[float, float, float]:
 def raster_bytes(img: Image.Image) -> int:
     """Bytes Pillow holds for `img`'s pixels: 1 per pixel for 1/L/P, 2 for I;16, else 4, and a
     pointer per row (a 1 x 40,000,000 image holds 160 MB of pixels and 320 MB of pointers)."""
-    width, height = img.size
-    mode = img.mode
+    return _raster(img.size, img.mode)
+
+
+def _raster(size: tuple[int, int], mode: str) -> int:
+    width, height = size
     per_pixel = 1 if mode in ("1", "L", "P") else 2 if mode.startswith("I;16") else 4
     return height * (width * per_pixel + 8)
 
@@ -111,11 +115,7 @@ def decode_bytes(img: Image.Image, full_size: tuple[int, int] | None = None) -> 
         total += raster
     layers = getattr(img, "layer", None)
     if img.format == "JPEG" and img.info.get("progressive") and layers:
-        full_w, full_h = full_size or img.size
-        h_max = max(h for _, h, _, _ in layers)
-        v_max = max(v for _, _, v, _ in layers)
-        samples = sum(h * v for _, h, v, _ in layers) / (h_max * v_max)
-        total += int(full_w * full_h * samples * 2)
+        total += coefficient_bytes(full_size or img.size, layers)
     return total
 
 
@@ -123,6 +123,8 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # The next marker after entropy-coded data: 0xFF (fill bytes allowed) followed by anything but
 # a stuffed zero or a restart marker.
 _JPEG_NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
+_BOUND_CHUNK = 1 << 17  # bytes the structure check's bound counts at a time
+_BOUND_MAX_BYTES = 1 << 19  # larger JPEGs are walked without trying the bound
 
 
 def check_structure(data: bytes) -> None:
@@ -143,8 +145,13 @@ def _check_exif(size: int, fmt: str) -> None:
 
 def _check_jpeg(data: bytes) -> None:
     pos, scans, segments, end = 2, 0, 0, len(data)
+    bounded = False
     while pos + 4 <= end:
         if data[pos] != 0xFF or data[pos + 1] == 0xFF:  # entropy-coded data or fill bytes
+            if not bounded:  # the headers are walked: can the rest reach a limit at all?
+                bounded = True
+                if _rest_within_limits(data, pos, scans, segments):
+                    return
             found = _JPEG_NEXT_MARKER.search(data, pos)
             if found is None:
                 return
@@ -164,6 +171,31 @@ def _check_jpeg(data: bytes) -> None:
             if scans > MAX_JPEG_SCANS:
                 raise InvalidImage(f"JPEG has more than {MAX_JPEG_SCANS} scans")
         pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+
+
+def _rest_within_limits(data: bytes, pos: int, scans: int, segments: int) -> bool:
+    """Whether the walk from `pos` on cannot pass the limits, counted at numpy's speed (about
+    half the walk's regex scan; bytes.count is no faster than the regex on CPython 3.11).
+
+    Exact upper bounds: every segment the walk counts from here on sits on its own 0xFF byte
+    with a byte after it, and every scan on its own 0xFF 0xDA pair. Stuffed zeros and restart
+    markers cannot be left out: where a segment's length lands the walk on 0xFF 0x00 or a
+    restart marker, it counts that as a segment too (tests/inference/test_jpeg_header.py).
+    Past _BOUND_MAX_BYTES a photo's stuffed zeros alone pass the segment limit (a 1 MB
+    4000x3000 photo has 1,370 0xFF bytes, a 290 KB 1920x1080 one 755): such files go straight
+    to the walk. Counted in chunks, so that the temporary arrays stay small, and a file with
+    many 0xFF bytes goes to the walk after its first."""
+    rest = np.frombuffer(data, np.uint8, offset=pos)
+    if rest.size > _BOUND_MAX_BYTES:
+        return False
+    for start in range(0, rest.size - 1, _BOUND_CHUNK):
+        part = rest[start : start + _BOUND_CHUNK + 1]  # one byte more: pairs across chunks
+        ff = part[:-1] == 0xFF
+        segments += int(np.count_nonzero(ff))
+        scans += int(np.count_nonzero(ff & (part[1:] == 0xDA)))
+        if segments > MAX_JPEG_SEGMENTS or scans > MAX_JPEG_SCANS:
+            return False
+    return True
 
 
 def _check_png(data: bytes) -> None:
@@ -222,7 +254,9 @@ class ImageDecoder:
     pixel, times the copies the format's decoder and the resize make) and `max_aspect`.
     `jpeg` is the fast JPEG path ("auto": inference/jpeg.py's where installed; None: Pillow);
     it runs only where `fast`, after the same checks, and hands Pillow any file it cannot take.
-    `draft_margin` (default DRAFT_MARGIN) is for parity and speed measurements.
+    `draft_margin` (default DRAFT_MARGIN) is for parity and speed measurements, and so is
+    `read_headers=False`, which opens every JPEG with Pillow: by default a JPEG that the fast
+    path takes has its header read by inference/jpeg_header.py, with the same decisions.
     """
 
     def __init__(
@@ -235,12 +269,14 @@ class ImageDecoder:
         fast: bool = True,
         jpeg: FastJpeg | Literal["auto"] | None = "auto",
         draft_margin: int | None = None,
+        read_headers: bool = True,
     ) -> None:
         self.spec = spec
         self.max_pixels = max_pixels
         self.max_bytes = max_bytes
         self.max_aspect = max_aspect
         self.fast = fast
+        self.read_headers = read_headers
         self._resample = _RESAMPLE[spec.interpolation]
         # Read here, not bound as the default: benchmarks set the module's value per process.
         self.draft_margin = DRAFT_MARGIN if draft_margin is None else draft_margin
@@ -257,20 +293,34 @@ class ImageDecoder:
         )
 
     def __call__(self, data: bytes) -> np.ndarray:
-        img = self.open(data)
+        self._screen(data)
+        header = self._header(data)
+        if header is not None:
+            self._check_size(*header.size)
         try:
-            return self._crop(img, data)
+            if header is not None:
+                crop = self._crop_header(header, data)
+                if crop is not None:
+                    return crop
+            # The fast decoder already said no to a parsed header's file: Pillow decodes it.
+            return self._crop(self._open(data), data, fast_jpeg=header is None)
         except (OSError, ValueError, SyntaxError, EOFError) as e:
             raise InvalidImage(f"truncated or corrupt image data ({e})") from None
 
     def open(self, data: bytes) -> Image.Image:
         """The header checks every decoder shares (structure, format, pixels, aspect), before
         any pixel is decoded; the image comes back opened, not loaded."""
+        self._screen(data)
+        return self._open(data)
+
+    def _screen(self, data: bytes) -> None:
         if not data:
             raise InvalidImage("empty image body")
         if is_url(data):
             raise url_refused()
         check_structure(data)
+
+    def _open(self, data: bytes) -> Image.Image:
         try:
             img = Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS)
         except UnidentifiedImageError:
@@ -279,7 +329,22 @@ class ImageDecoder:
             raise ImageTooLarge("image dimensions exceed the decoder's safety limit") from None
         except (OSError, ValueError, SyntaxError, EOFError) as e:
             raise InvalidImage(f"unreadable image header ({e})") from None
-        width, height = img.size
+        self._check_size(*img.size)
+        return img
+
+    def _header(self, data: bytes) -> JpegHeader | None:
+        """A JPEG's header from inference/jpeg_header.py where the fast decoder runs and the
+        parser is sure of it, so `Image.open` is skipped; None sends the file to Pillow. Sizes
+        past Pillow's decompression-bomb limit go to Pillow too: it warns or refuses them."""
+        if self._jpeg is None or not self.read_headers:
+            return None
+        header = read_header(data)
+        bomb = Image.MAX_IMAGE_PIXELS
+        if header is None or (bomb is not None and header.size[0] * header.size[1] > bomb):
+            return None
+        return header
+
+    def _check_size(self, width: int, height: int) -> None:
         if width * height > self.max_pixels:  # checked from the header, before any decode
             raise ImageTooLarge(
                 f"{width}x{height} image has {width * height} pixels; "
@@ -293,18 +358,19 @@ class ImageDecoder:
                 f"{width}x{height} image has an aspect ratio over {self.max_aspect:g}:1 "
                 "(--max-image-aspect)"
             )
-        return img
 
-    def _check_bytes(self, needed: int, img: Image.Image, why: str = "") -> None:
+    def _check_bytes(
+        self, needed: int, size: tuple[int, int], fmt: str | None, mode: str, why: str = ""
+    ) -> None:
         if needed > self.max_bytes:
-            width, height = img.size
+            width, height = size
             raise ImageTooLarge(
-                f"decoding this {width}x{height} {img.format} image ({img.mode}{why}) takes "
+                f"decoding this {width}x{height} {fmt} image ({mode}{why}) takes "
                 f"about {needed >> 20} MiB; the limit is {self.max_bytes >> 20} MiB "
                 "(--max-decode-bytes)"
             )
 
-    def _crop(self, img: Image.Image, data: bytes) -> np.ndarray:
+    def _crop(self, img: Image.Image, data: bytes, fast_jpeg: bool = True) -> np.ndarray:
         spec = self.spec
         full_size = img.size
         if self.fast and img.format == "JPEG":
@@ -313,16 +379,19 @@ class ImageDecoder:
         # The drafted image bounds the fast path too: the same DCT scale, and 3 bytes per pixel
         # to Pillow's 4. Pillow decodes what libjpeg calls corrupt data (its warnings are
         # silenced, and Pillow 13 exposes none of them): only the fast path refuses it.
-        self._check_bytes(decode_bytes(img, full_size), img)
-        if self._jpeg is not None and img.format == "JPEG" and img.mode in ("RGB", "L"):
-            crop = self._crop_jpeg(self._jpeg, img, data, full_size)
+        needed = decode_bytes(img, full_size)
+        self._check_bytes(needed, img.size, img.format, img.mode)
+        jpeg = self._jpeg if fast_jpeg else None
+        if jpeg is not None and img.format == "JPEG" and img.mode in ("RGB", "L"):
+            orientation = img.getexif().get(ExifTags.Base.Orientation, 1)
+            crop = self._crop_jpeg(jpeg, data, img.size, img.mode, orientation, needed)
             if crop is not None:
                 return crop
         img.load()
         if img.getexif().get(ExifTags.Base.Orientation, 1) != 1:
             # The transposed copy sits beside the decoded image until the function returns.
             needed = decode_bytes(img, full_size) + raster_bytes(img)
-            self._check_bytes(needed, img, ", EXIF-rotated")
+            self._check_bytes(needed, img.size, img.format, img.mode, ", EXIF-rotated")
             img = ImageOps.exif_transpose(img)
         width, height = img.size
         size = resized_size(width, height, spec)
@@ -338,23 +407,38 @@ class ImageDecoder:
             img = img.convert("RGB")  # as open_clip's transform does, after the crop
         return np.asarray(img, dtype=np.uint8)
 
+    def _crop_header(self, header: JpegHeader, data: bytes) -> np.ndarray | None:
+        """`_crop`'s JPEG steps from a parsed header: Pillow's draft scale and decode_bytes'
+        estimate, computed rather than read from an opened image."""
+        assert self._jpeg is not None  # _header parses only where the fast decoder runs
+        drafted = drafted_size(header.size, max(self.spec.size) * self.draft_margin)
+        needed = _raster(drafted, header.mode)
+        if header.progressive:
+            needed += coefficient_bytes(header.size, header.layers)
+        self._check_bytes(needed, drafted, "JPEG", header.mode)
+        return self._crop_jpeg(self._jpeg, data, drafted, header.mode, header.orientation, needed)
+
     def _crop_jpeg(
-        self, jpeg: FastJpeg, img: Image.Image, data: bytes, full_size: tuple[int, int]
+        self,
+        jpeg: FastJpeg,
+        data: bytes,
+        drafted: tuple[int, int],
+        mode: str,
+        orientation: int,
+        needed: int,
     ) -> np.ndarray | None:
-        """The fast path (inference/jpeg.py) for `img`, opened and drafted; None where its
-        decoder cannot take the file (Pillow then decodes it). Corrupt data raises InvalidImage.
-        The crop may be a view with strided rows: its consumers copy it once (the batch's stack,
-        a shared-memory slot)."""
-        orientation = img.getexif().get(ExifTags.Base.Orientation, 1)
+        """The fast path (inference/jpeg.py) for a JPEG whose draft's DCT scale gives `drafted`
+        and whose decode `needed` bytes; None where its decoder cannot take the file (Pillow
+        then decodes it). Corrupt data raises InvalidImage. The crop may be a view with strided
+        rows: its consumers copy it once (the batch's stack, a shared-memory slot)."""
         if orientation != 1:
-            self._check_bytes(
-                decode_bytes(img, full_size) + raster_bytes(img), img, ", EXIF-rotated"
-            )
-        width, height = img.size  # draft's DCT scale, as the fast decoder will pick it
+            rotated = needed + _raster(drafted, mode)
+            self._check_bytes(rotated, drafted, "JPEG", mode, ", EXIF-rotated")
+        width, height = drafted  # draft's DCT scale, as the fast decoder will pick it
         if orientation in (5, 6, 7, 8):
             width, height = height, width
         size = resized_size(width, height, self.spec)
-        decoded = jpeg.decode(data, img.size, min(width / size[0], height / size[1]))
+        decoded = jpeg.decode(data, drafted, min(width / size[0], height / size[1]))
         if decoded is None:
             return None
         array = orient(decoded, orientation)

@@ -163,3 +163,14 @@ def test_region_resize_of_thin_images_matches_open_clip(size: tuple[int, int]) -
         ours = ImageDecoder(SPEC, 10**8, fast=fast)(data)
         diff = np.abs(ours.astype(np.int16) - ref.astype(np.int16))
         assert diff.mean() <= FAST_MEAN_PIXEL_DIFF and diff.max() <= 8, (fast, diff.max())
+
+
+@pytest.mark.parametrize("read_headers", [True, False])
+def test_progressive_jpeg_with_zero_sampling_factors_is_invalid(read_headers: bool) -> None:
+    """decode_bytes divided by the largest sampling factor: 0 raised ZeroDivisionError (a 500)."""
+    data = bytearray(encode(synthetic_image(64, 48, seed=2), "JPEG", progressive=True))
+    sof = data.index(b"\xff\xc2")
+    for component in range(data[sof + 9]):
+        data[sof + 11 + 3 * component] = 0
+    with pytest.raises(InvalidImage, match="truncated or corrupt"):
+        ImageDecoder(SPEC, 10**8, read_headers=read_headers)(bytes(data))
