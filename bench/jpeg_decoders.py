@@ -341,11 +341,15 @@ ROUND_4_VARIANTS: list[Variant] = [
     (BASELINE, True, 1, None),
     ("fast path (the default)", False, None, None),
 ]
-ROUNDS = {"round_3": ROUND_3_VARIANTS, "round_4": ROUND_4_VARIANTS}
+ROUNDS = {"round_3": ROUND_3_VARIANTS, "round_4": ROUND_4_VARIANTS, "round_5": ROUND_4_VARIANTS}
 
 
 def served_variants(
-    tmp: Path, model: Path, head: bool, variants: list[Variant] = ROUND_2_VARIANTS
+    tmp: Path,
+    model: Path,
+    head: bool,
+    variants: list[Variant] = ROUND_2_VARIANTS,
+    before: Path | None = None,
 ) -> list[Server]:
     flags = fake_flags(model)
     out: list[Server] = []
@@ -362,6 +366,8 @@ def served_variants(
         )
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
         out.append(clipserve("HEAD tree (committed)", flags, tree))
+    if before is not None:  # its defaults: the fast path as that tree has it
+        out.append(clipserve(f"before tree ({before.name})", flags, before))
     return out
 
 
@@ -370,7 +376,7 @@ def section_served(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     model.write_text(json.dumps(FAKE_CONFIG))
     reqs = requests_of("jpeg")
     variants = ROUNDS.get(a.round, ROUND_2_VARIANTS)
-    servers = served_variants(tmp, model, a.head, variants)
+    servers = served_variants(tmp, model, a.head, variants, a.before_tree)
     samples: dict[str, list[dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack, affinity({a.client_core}):
         up, skipped = start_all(stack, servers, {a.core})
@@ -454,6 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--core", type=int, default=0, help="the decoder's / server's core")
     p.add_argument("--client-core", type=int, default=1)
     p.add_argument("--head", action="store_true", help="served: also the committed tree")
+    p.add_argument("--before-tree", type=Path, help="served: also this checkout, its defaults")
     p.add_argument("--extra-path", action="append", default=[], help="appended to sys.path")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "jpeg-decoders.json")
     p.add_argument(

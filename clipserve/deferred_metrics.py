@@ -1,9 +1,9 @@
 """Per-request metric updates, summed in plain Python and applied to Prometheus in bulk.
 
 A request updates about eighteen counters and histograms. Through prometheus_client each update
-takes a lock and, under --workers N, writes an mmap'd file: 17-25 µs a request in one process,
-~50 µs in a front end (bench/metrics_updates.py), 4-10% of a tensor request's CPU. Here an update
-is a dict entry or a bucket count, and the children get one `inc` per label set per flush.
+takes a lock and, under --workers N, writes an mmap'd file: 20-46 µs a request (4-10% of a
+tensor request's CPU; bench/metrics_updates.py). Here an update is a dict entry or a bucket
+count, and the children get one `inc` per label set per flush.
 
 When the numbers reach Prometheus:
 - before anything reads them: `Metrics` registers `FlushFirst` as its registry's first collector
@@ -32,13 +32,14 @@ from prometheus_client.registry import Collector
 
 
 class _Pending:
-    """One histogram child's observations since the last flush: a count per bucket and a sum."""
+    """One histogram child's observations since the last flush: counts of the buckets they fell
+    in (a dict: a flush writes only those) and their sum."""
 
     __slots__ = ("bounds", "counts", "total")
 
     def __init__(self, child: Histogram) -> None:
         self.bounds: list[float] = list(child._upper_bounds)
-        self.counts = [0] * len(self.bounds)
+        self.counts: dict[int, int] = {}
         self.total = 0.0
 
 
@@ -83,7 +84,8 @@ class DeferredUpdates:
             pending = self._observed[child] = _Pending(child)
         pending.total += value
         if value == value:  # NaN falls in no bucket, as in Histogram.observe
-            pending.counts[bisect_left(pending.bounds, value)] += 1
+            counts, bucket = pending.counts, bisect_left(pending.bounds, value)
+            counts[bucket] = counts.get(bucket, 0) + 1
 
     def set(self, child: Gauge, value: float) -> None:
         self._sets[child] = value
@@ -100,9 +102,9 @@ class DeferredUpdates:
                 counter.inc(amount)
             for histogram, pending in observed.items():
                 histogram._sum.inc(pending.total)
-                for bucket, n in zip(histogram._buckets, pending.counts, strict=True):
-                    if n:
-                        bucket.inc(n)
+                buckets = histogram._buckets
+                for bucket, n in pending.counts.items():
+                    buckets[bucket].inc(n)
             for gauge, value in sets.items():
                 gauge.set(value)
 
