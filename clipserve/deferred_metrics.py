@@ -75,6 +75,8 @@ class DeferredUpdates:
                 self.flush()
 
     def add(self, child: Counter, amount: float = 1.0) -> None:
+        if amount < 0:  # refused where it is made, as Counter.inc does, not at a later flush
+            raise ValueError("counters can only be incremented by non-negative amounts")
         adds = self._adds
         adds[child] = adds.get(child, 0.0) + amount
 

@@ -7,6 +7,7 @@ import asyncio
 import math
 import threading
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from clipserve.deferred_metrics import DeferredUpdates, FlushFirst
@@ -60,6 +61,15 @@ def test_updates_wait_for_a_read_or_a_flush() -> None:
     assert counter._value.get() == 3
     deferred.flush()  # nothing pending: nothing added twice
     assert counter._value.get() == 3
+
+
+def test_a_negative_count_is_refused_where_it_is_made() -> None:
+    deferred = DeferredUpdates()
+    counter = Counter("c", "c", registry=CollectorRegistry())
+    with pytest.raises(ValueError, match="non-negative"), deferred as d:
+        d.add(counter, -1)
+    deferred.flush()
+    assert counter._value.get() == 0
 
 
 def test_nan_goes_to_the_sum_and_no_bucket_as_prometheus_does() -> None:
