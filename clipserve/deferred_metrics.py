@@ -15,7 +15,10 @@ When the numbers reach Prometheus:
 - when the app stops (its lifespan flushes).
 
 The sums are exact for counts; a sum of seconds may differ from one-at-a-time addition in the
-last bit. Histogram buckets are Prometheus's: the first upper bound >= the value.
+last bit. Histogram buckets are Prometheus's: the first upper bound >= the value. A flush
+writes a histogram child's bucket and sum values directly (`_buckets`, `_sum`: the public
+`observe` takes one value at a time); tests/test_deferred_metrics.py compares the exposition
+with one-at-a-time updates, so a prometheus_client that changes them fails there first.
 """
 
 from __future__ import annotations
