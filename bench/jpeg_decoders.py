@@ -396,24 +396,17 @@ def section_served(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         out["rows"][name] = {
             "requests_per_s": spread(rate, 1),
             "server_cpu_ms_per_request": spread(cpu, 3),
-            "speedup_req_per_s_vs_pillow": spread(
-                [
-                    x["requests_per_s"] / b["requests_per_s"]
-                    for x, b in zip(rows, base, strict=True)
-                ],
-                3,
-            ),
-            "speedup_cpu_per_request_vs_pillow": spread(
-                [
-                    b["server_cpu_ms_per_request"] / x["server_cpu_ms_per_request"]
-                    for x, b in zip(rows, base, strict=True)
-                ],
-                3,
-            ),
+            "speedup_req_per_s_vs_pillow": _paired(rows, base, "requests_per_s"),
+            "speedup_cpu_per_request_vs_pillow": _paired(base, rows, "server_cpu_ms_per_request"),
             "failed": sum(r["failed"] for r in rows),
             "stage_ms_last_round": rows[-1].get("server_stage_ms"),
         }
     return out
+
+
+def _paired(num: list[dict[str, Any]], den: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """Round by round, `num`'s `key` over `den`'s: medians with spread."""
+    return spread([x[key] / y[key] for x, y in zip(num, den, strict=True)], 3)
 
 
 def section_profile(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
