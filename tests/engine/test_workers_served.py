@@ -307,6 +307,47 @@ def test_admission_is_global(server: Server) -> None:
     assert server.get("/readyz")[0] == 200
 
 
+def test_tensors_over_the_global_queue_are_refused_and_leave_nothing_held(server: Server) -> None:
+    """Raw tensors (parsed on the loop, admitted in the engine) over the 32 places: the
+    refused ones answer 503 `overloaded` with Retry-After, the others their 8 rows, and no
+    place is left behind in the engine."""
+    held = server.spread(per_front_end=6)
+    conns = [c for cs in held.values() for c in cs]
+    start = threading.Barrier(len(conns))
+    body = bytes(8 * 224 * 224 * 3)
+    headers = {
+        "Content-Type": "application/octet-stream",
+        "X-Tensor-Dtype": "uint8",
+        "X-Tensor-Shape": "8,224,224,3",
+    }
+
+    def post(i: int) -> tuple[int, dict[str, str], bytes]:
+        start.wait()
+        conns[i].request("POST", "/embed", body=body, headers=headers)
+        response = conns[i].getresponse()
+        answer = {k.lower(): v for k, v in response.getheaders()}
+        return response.status, answer, response.read()
+
+    with ThreadPoolExecutor(len(conns)) as pool:
+        results = list(pool.map(post, range(len(conns))))
+    statuses = sorted(status for status, _, _ in results)
+    assert set(statuses) == {200, 503}, statuses
+    for status, headers_of, answer in results:
+        if status == 503:
+            assert "retry-after" in headers_of
+            assert json.loads(answer)["error"]["code"] == "overloaded", answer
+        else:
+            assert len(json.loads(answer)["embeddings"]) == 8
+    until(lambda: server.metric("clipserve_queue_depth") == 0, 5, poll_s=0.05)
+    # Nothing left queued, and each front end still admits and answers.
+    again = [c for cs in server.spread(per_front_end=2).values() for c in cs]
+    for conn in again:
+        conn.request("POST", "/embed", body=body, headers=headers)
+        response = conn.getresponse()
+        assert response.status == 200, response.read()
+        response.read()
+
+
 def test_a_killed_front_end_fails_only_its_requests_and_comes_back(server: Server) -> None:
     held = server.spread(per_front_end=3)
     victim, survivor = list(held)
