@@ -14,15 +14,14 @@ class at import).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.common import machine, spread, write_report
 
 STAGES = ("receive", "decode", "queue", "compute", "encode")
 MODES = ("direct", "deferred, flushed every 1", "deferred, flushed every 8", "deferred, read-time")
@@ -78,9 +77,8 @@ def _child(mode: str, n: int) -> float:
             d.add(sent, 150528)
             d.add(answered, 9000)
 
-    every = {"direct": 0, "deferred, read-time": n}.get(mode, 0)
-    if mode.startswith("deferred, flushed every"):
-        every = int(mode.rsplit(" ", 1)[1])
+    # Flushed after every k requests; read-time and direct: once, after the last.
+    every = int(mode.rsplit(" ", 1)[1]) if mode.startswith("deferred, flushed every") else 0
     one = direct if mode == "direct" else deferred
     t0 = time.perf_counter()
     for i in range(n):
@@ -117,7 +115,7 @@ def main() -> None:
                 runs[where].setdefault(mode, []).append(_run(mode, mp, a.requests))
     result: dict[str, object] = {
         "benchmark": "a request's 18 metric updates, µs of CPU per request (issue 23)",
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine(),
         "rounds": a.rounds,
         "requests_per_run": a.requests,
     }
@@ -125,23 +123,12 @@ def main() -> None:
         direct = modes["direct"]
         result[where] = {
             mode: {
-                "us_per_request": _spread(values),
-                "ratio_to_direct": _spread([v / d for v, d in zip(values, direct, strict=True)]),
+                "us_per_request": spread(values, 3),
+                "ratio_to_direct": spread([v / d for v, d in zip(values, direct, strict=True)], 3),
             }
             for mode, values in modes.items()
         }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {
-        "median": round(statistics.median(values), 3),
-        "min": round(min(values), 3),
-        "max": round(max(values), 3),
-    }
+    write_report(result, a.out)
 
 
 if __name__ == "__main__":
