@@ -35,8 +35,21 @@ _SHORT = 3
 # TIFF field types -> bytes per value, as Pillow's ImageFileDirectory_v2 reads them (a test
 # checks this against Pillow's table); other types Pillow skips.
 TIFF_UNIT_SIZES = {
-    1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8, 13: 4, 16: 8
-}  # fmt: skip
+    1: 1,
+    2: 1,
+    3: 2,
+    4: 4,
+    5: 8,
+    6: 1,
+    7: 1,
+    8: 2,
+    9: 4,
+    10: 8,
+    11: 4,
+    12: 8,
+    13: 4,
+    16: 8,
+}
 
 
 @dataclass(frozen=True)
