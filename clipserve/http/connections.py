@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ from clipserve.errors import StartupError
 log = logging.getLogger("clipserve.http.server")
 
 CAP_LOG_INTERVAL_S = 10.0  # at most one "connection cap hit" warning per interval
+COLLECT_INTERVAL_S = 5.0  # at most one garbage collection per interval before a pause
 FD_HEADROOM = 256  # descriptors the process needs besides its client sockets
 
 
@@ -51,6 +53,22 @@ class Refusals:
         self.gate: AcceptGate | None = None  # set once the server listens (DrainingServer)
         self.last = -math.inf
         self.suppressed = 0
+
+    def unmade_soon(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A protocol collected without its connection made (a failed TLS handshake): from
+        the garbage collector, in whichever thread it runs, so counted on the loop."""
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(self._unmade)
+
+    def _unmade(self) -> None:
+        self.pending -= 1
+        gate = self.gate
+        if gate is not None and gate.paused and self.sockets(gate) < self.resume_below:
+            gate.resume_soon()
+
+    def sockets(self, gate: AcceptGate) -> int:
+        """Sockets held: connections, and those accepted but not yet connected."""
+        return len(gate.server.server_state.connections) + self.pending
 
     def log(self, open_connections: int) -> None:
         now = time.monotonic()
@@ -139,8 +157,10 @@ class AcceptGate:
     the socket, and its accept queue where new clients wait (no reset), live on, and resuming
     serves the duplicates. Both run from the loop, never inside an accept callback."""
 
-    def __init__(self, server: uvicorn.Server) -> None:
+    def __init__(self, server: uvicorn.Server, full: Callable[[], bool]) -> None:
         self.server = server
+        self.full = full  # whether the socket budget is spent, counting what is collected
+        self._collected = -math.inf
         self.paused = False
         self.closed = False
         self._held: list[socket.socket] = []
@@ -156,6 +176,24 @@ class AcceptGate:
         self._scheduled = False
         if self.paused or self.closed:
             return
+        now = time.monotonic()
+        if now - self._collected >= COLLECT_INTERVAL_S:
+            # Failed TLS handshakes count until their protocols are collected
+            # (Refusals.unmade_soon): collect, and decide once their callbacks have run. A
+            # full collection costs tens of ms with torch loaded: at most one per interval.
+            self._collected = now
+            gc.collect()
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._pause_if_full)
+            return
+        self._close_listeners()
+
+    def _pause_if_full(self) -> None:
+        self._scheduled = False
+        if not (self.paused or self.closed) and self.full():
+            self._close_listeners()
+
+    def _close_listeners(self) -> None:
         self.paused = True
         for server in self.server.servers:
             self._held += [socket.socket(fileno=os.dup(s.fileno())) for s in server.sockets]

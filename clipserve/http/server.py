@@ -23,11 +23,12 @@ import signal
 import socket
 import ssl
 import threading
+import weakref
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import uvicorn
-from uvicorn._types import ASGISendEvent
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from clipserve.config import HttpConfig
@@ -39,6 +40,7 @@ from clipserve.http.connections import (
     refusal_room,
     take_queued,
 )
+from clipserve.http.cycle import Cycle, EarlyAnswerCycle
 from clipserve.http.request import WATCH_SCOPE_KEY, DisconnectWatch
 from clipserve.protocol.responses import encode_error
 
@@ -52,42 +54,6 @@ FIRST_REQUEST_GRACE_S = 1.0
 # own limit) and two CRLFs; per body, the last chunk and short trailers. More is padding.
 CHUNK_FRAMING = 16 + 4
 FRAMING_SLACK = 256
-
-
-class _LingeringClose(asyncio.Transport):
-    """The transport as an early-answer cycle sees it: `close()` is a lingering close."""
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        super().__init__()
-        self._transport = transport
-
-    def write(self, data: bytes | bytearray | memoryview[int]) -> None:
-        self._transport.write(data)
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def close(self) -> None:
-        protocol = self._transport.get_protocol()
-        if isinstance(protocol, GuardedHttpProtocol):
-            protocol.close_lingering()
-        else:
-            self._transport.close()
-
-
-class _EarlyAnswerCycle(RequestResponseCycle):
-    """A request whose body was still arriving when its handler could first run. An answer
-    that starts before the body has fully arrived (413, 504, ...) ends the connection:
-    `connection: close`, then a lingering close so the client can read it."""
-
-    async def send(self, message: ASGISendEvent) -> None:
-        if self.more_body and not self.response_started and not self.disconnected:
-            protocol = self.transport.get_protocol()
-            if isinstance(protocol, GuardedHttpProtocol):
-                self.keep_alive = False
-                self.transport = _LingeringClose(self.transport)
-                self.on_response = protocol.count_response
-        await super().send(message)
 
 
 def error_bytes(
@@ -135,6 +101,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._watch = DisconnectWatch()
         refusals = self.refusals
         refusals.pending += 1  # built as the socket is accepted: counted from here on
+        # A TLS handshake that fails reaches neither connection_made nor connection_lost:
+        # its count is given back once the protocol is collected.
+        self._unmade = weakref.finalize(self, refusals.unmade_soon, self.loop)
+        self._unmade.atexit = False  # nothing to give back once the process exits
         gate = refusals.gate
         if gate is not None and len(self.connections) + refusals.pending >= refusals.pause_at:
             gate.pause_soon()
@@ -144,6 +114,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         refusals = self.refusals
         refusals.pending -= 1
+        self._unmade.detach()
         super().connection_made(transport)  # registered, so a shutdown closes it too
         self._watch.listen = self.flow.resume_reading
         open_before = len(self.connections) - refusals.closing - 1
@@ -219,9 +190,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                     self.limits.header_timeout_s, self._header_timeout
                 )
         cycle = self.cycle
-        if cycle is not None and cycle.more_body and type(cycle) is RequestResponseCycle:
-            # Its handler may answer before the rest arrives; only such cycles pay for the check.
-            cycle.__class__ = _EarlyAnswerCycle
+        if cycle is not None and cycle.more_body:
+            # Paused here, once the packet is parsed, not in on_body: a body that ended in it
+            # (the usual request) costs no pause and resume of the socket.
+            if len(cycle.body) > HIGH_WATER_LIMIT:
+                self.flow.pause_reading()
+            if type(cycle) is Cycle:
+                # Its handler may answer before the rest arrives; only such cycles pay for it.
+                cycle.__class__ = EarlyAnswerCycle
 
     def _feed_within_cap(self, data: bytes) -> bool:
         """Feed only what fits under the cap: the headers must end inside it, whatever the
@@ -246,12 +222,21 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._header_timer = None
         self.scope[WATCH_SCOPE_KEY] = self._watch  # type: ignore[literal-required]
         HttpToolsProtocol.on_headers_complete(self)
+        cycle = self.cycle
+        if type(cycle) is RequestResponseCycle:  # just built (not an upgrade's early return)
+            cycle.__class__ = Cycle
+            cast(Cycle, cycle).adopt()
         if self._draining:
             self.cycle.keep_alive = False  # the one request a draining server still takes
 
     def on_body(self, body: bytes) -> None:
+        # HttpToolsProtocol's, with the chunk kept by the cycle (http/cycle.py), not copied.
         self._framing -= len(body)
-        HttpToolsProtocol.on_body(self, body)
+        cycle = cast(Cycle, self.cycle)
+        if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
+            return
+        cycle.take(body)  # past HIGH_WATER_LIMIT, data_received pauses reading
+        cycle.message_event.set()
 
     def on_chunk_header(self) -> None:
         self._framing -= CHUNK_FRAMING
@@ -437,7 +422,9 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         protocol = self.config.http_protocol_class
         if self.started and issubclass(protocol, GuardedHttpProtocol):
-            self.gate = protocol.refusals.gate = AcceptGate(self)
+            refusals = protocol.refusals
+            gate = AcceptGate(self, lambda: refusals.sockets(gate) >= refusals.pause_at)
+            self.gate = refusals.gate = gate
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # Closing a listener resets every connection in its accept queue: requests their

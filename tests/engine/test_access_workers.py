@@ -33,14 +33,20 @@ KEYS = f"shared:{SHARED}:0.01:6\nmetered:{METERED}:4:2\nrotating:{OLD}\n"
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen[bytes], url: str, tls: ssl.SSLContext) -> None:
-        self.proc, self.url, self.tls = proc, url, tls
+    def __init__(
+        self, proc: subprocess.Popen[bytes], url: str, tls: ssl.SSLContext, log: Path
+    ) -> None:
+        self.proc, self.url, self.tls, self.log = proc, url, tls, log
 
     def post(self, key: str, path: str = "/embed", body: bytes | None = None) -> httpx.Response:
         """One request on a connection of its own (the kernel picks the front end)."""
         headers = {**PNG, "X-API-Key": key}
         content = marked_png(1) if body is None else body
-        return httpx.post(self.url + path, content=content, headers=headers, verify=self.tls)
+        try:
+            return httpx.post(self.url + path, content=content, headers=headers, verify=self.tls)
+        except httpx.TransportError as e:  # none is expected: say what the server logged
+            tail = self.log.read_text()[-4000:]
+            raise AssertionError(f"{e!r}; the server's log ends:\n{tail}") from e
 
     def burst(self, key: str, n: int) -> list[httpx.Response]:
         """n requests on n connections, 4 at a time: the front ends share one listening
@@ -82,7 +88,8 @@ def server(
     log = tmp / "server.log"
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    served = Server(proc, f"https://127.0.0.1:{port}", ssl.create_default_context(cafile=cert))
+    tls = ssl.create_default_context(cafile=cert)
+    served = Server(proc, f"https://127.0.0.1:{port}", tls, log)
 
     def ready() -> bool:
         assert proc.poll() is None, log.read_text()[-3000:]

@@ -1,0 +1,151 @@
+"""uvicorn's request-response cycle, less two copies of each request body and one write per
+answer: what a bare uvicorn server pays on every request, here paid less (on one core these
+are a few percent of a 150 KB tensor request; bench/results/frontend-*.json).
+
+- A body: uvicorn gathers it into a bytearray (a copy of every chunk the parser hands over) and
+  hands it on as bytes (a second copy). `Cycle` keeps a body that arrives as one chunk as the
+  parser made it; a second chunk starts the bytearray, as before.
+- An answer: uvicorn writes the head when the app sends it and the body on the next message: two
+  writes, two TCP segments on a kept-alive connection. `Cycle` holds the head until the cycle's
+  next write and sends both in one (a writev where the transport has one). The head goes
+  out alone where the answer has no body (HEAD, 204, 304) and on a close (uvicorn closes the
+  connection of an app that stops or fails after its head).
+
+`GuardedHttpProtocol` (http/server.py) makes every cycle uvicorn builds a `Cycle` as its headers
+complete, before its task first runs, and feeds body chunks through `take`; a cycle whose body
+is still arriving once its packet is parsed becomes an `EarlyAnswerCycle`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol, runtime_checkable
+
+from uvicorn._types import ASGIReceiveEvent, ASGISendEvent
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+
+class _HeldHead(asyncio.Transport):
+    """The transport as a cycle writing its answer sees it: the first write (the head) waits
+    for the second, then both go out in one call."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        super().__init__()
+        self._transport = transport
+        self._head: bytes | None = None
+        self._sent = False  # the head is out: writes pass straight through
+
+    def write(self, data: bytes | bytearray | memoryview[int]) -> None:
+        if self._sent:
+            self._transport.write(data)
+        elif self._head is None:
+            self._head = bytes(data)
+        else:
+            head, self._head, self._sent = self._head, None, True
+            self._transport.writelines((head, data))
+
+    def flush(self) -> None:
+        head, self._head, self._sent = self._head, None, True
+        if head is not None:
+            self._transport.write(head)
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def get_protocol(self) -> Any:
+        return self._transport.get_protocol()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+
+class Cycle(RequestResponseCycle):
+    """One request and its answer on a connection; see the module's note."""
+
+    body: Any  # bytes while the body is one chunk, uvicorn's bytearray after a second
+    held: _HeldHead | None
+
+    def adopt(self) -> None:
+        """Made a `Cycle` after uvicorn built it (its __init__ has run): nothing received yet."""
+        self.body = b""
+        self.held = None
+
+    def take(self, chunk: bytes) -> None:
+        """A body chunk from the parser (a bytes object of its own)."""
+        body = self.body
+        if not body:
+            self.body = chunk
+        elif type(body) is bytes:
+            self.body = bytearray(body)
+            self.body += chunk
+        else:
+            body += chunk
+
+    async def receive(self) -> ASGIReceiveEvent:
+        if self.waiting_for_100_continue or self.disconnected or self.response_complete:
+            return await RequestResponseCycle.receive(self)  # as uvicorn does
+        self.flow.resume_reading()
+        await self.message_event.wait()
+        self.message_event.clear()
+        if self.disconnected or self.response_complete:
+            return {"type": "http.disconnect"}
+        body, self.body = self.body, b""
+        return {
+            "type": "http.request",
+            "body": body if type(body) is bytes else bytes(body),
+            "more_body": self.more_body,
+        }
+
+    async def send(self, message: ASGISendEvent) -> None:
+        if self.held is None and message["type"] == "http.response.start":
+            self.held = _HeldHead(self.transport)
+            self.transport = self.held
+        await RequestResponseCycle.send(self, message)
+        if self.response_complete and self.held is not None:
+            self.held.flush()  # a HEAD, 204 or 304 writes no body: its head goes alone
+
+
+@runtime_checkable
+class Lingering(Protocol):
+    """What an early answer needs of its connection (http/server.py's protocol)."""
+
+    def close_lingering(self) -> None: ...
+
+    def count_response(self) -> None: ...
+
+
+class _LingeringClose(asyncio.Transport):
+    """The transport as an early-answer cycle sees it: `close()` is a lingering close."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: Lingering) -> None:
+        super().__init__()
+        self._transport = transport
+        self._protocol = protocol
+
+    def write(self, data: bytes | bytearray | memoryview[int]) -> None:
+        self._transport.write(data)
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def close(self) -> None:
+        self._protocol.close_lingering()
+
+
+class EarlyAnswerCycle(Cycle):
+    """A request whose body was still arriving when its handler could first run. An answer
+    that starts before the body has fully arrived (413, 504, ...) ends the connection:
+    `connection: close`, then a lingering close so the client can read it."""
+
+    async def send(self, message: ASGISendEvent) -> None:
+        if self.more_body and not self.response_started and not self.disconnected:
+            protocol = self.transport.get_protocol()
+            if isinstance(protocol, Lingering):
+                self.keep_alive = False
+                self.transport = _LingeringClose(self.transport, protocol)
+                self.on_response = protocol.count_response
+        await super().send(message)
