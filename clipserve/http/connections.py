@@ -5,6 +5,7 @@ holds new clients; and the open-file limit checked against it at start (`fd_budg
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import logging
@@ -57,7 +58,7 @@ class Refusals:
     def unmade_soon(self, loop: asyncio.AbstractEventLoop) -> None:
         """A protocol collected without its connection made (a failed TLS handshake): from
         the garbage collector, in whichever thread it runs, so counted on the loop."""
-        if not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing to count
             loop.call_soon_threadsafe(self._unmade)
 
     def _unmade(self) -> None:
@@ -157,9 +158,9 @@ class AcceptGate:
     the socket, and its accept queue where new clients wait (no reset), live on, and resuming
     serves the duplicates. Both run from the loop, never inside an accept callback."""
 
-    def __init__(self, server: uvicorn.Server, full: Callable[[], bool]) -> None:
+    def __init__(self, server: uvicorn.Server, refusals: Refusals) -> None:
         self.server = server
-        self.full = full  # whether the socket budget is spent, counting what is collected
+        self.refusals = refusals  # the socket budget
         self._collected = -math.inf
         self.paused = False
         self.closed = False
@@ -176,21 +177,25 @@ class AcceptGate:
         self._scheduled = False
         if self.paused or self.closed:
             return
-        now = time.monotonic()
-        if now - self._collected >= COLLECT_INTERVAL_S:
+        if time.monotonic() - self._collected >= COLLECT_INTERVAL_S:
             # Failed TLS handshakes count until their protocols are collected
-            # (Refusals.unmade_soon): collect, and decide once their callbacks have run. A
-            # full collection costs tens of ms with torch loaded: at most one per interval.
-            self._collected = now
-            gc.collect()
+            # (Refusals.unmade_soon): collect, and decide once their callbacks have run.
+            self._collect()
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._pause_if_full)
             return
         self._close_listeners()
 
+    def _collect(self) -> None:
+        # A full collection: tens of ms with torch loaded, so at most one per interval; a
+        # protocol that lived through a collection is freed by nothing less.
+        self._collected = time.monotonic()
+        gc.collect()
+
     def _pause_if_full(self) -> None:
         self._scheduled = False
-        if not (self.paused or self.closed) and self.full():
+        refusals = self.refusals
+        if not (self.paused or self.closed) and refusals.sockets(self) >= refusals.pause_at:
             self._close_listeners()
 
     def _close_listeners(self) -> None:
@@ -200,6 +205,29 @@ class AcceptGate:
             server.close()
         self.server.servers = []
         log.warning("accepting paused: %d sockets open", len(self.server.server_state.connections))
+        self._recheck_later()
+
+    def _recheck_later(self) -> None:
+        asyncio.get_running_loop().call_later(COLLECT_INTERVAL_S, self._recheck)
+
+    def _recheck(self) -> None:
+        """While paused, every interval: failed handshakes of clients that stayed long (until
+        the handshake timed out) may be all that holds the budget, and no connection_lost
+        will come for them."""
+        if not self.paused or self.closed:
+            return
+        if self._task is None:
+            self._collect()
+            asyncio.get_running_loop().call_soon(self._resume_if_room)
+        else:
+            self._recheck_later()
+
+    def _resume_if_room(self) -> None:
+        if not self.paused or self.closed:
+            return
+        if self.refusals.sockets(self) < self.refusals.resume_below:
+            self.resume_soon()
+        self._recheck_later()  # a no-op once resumed
 
     def resume_soon(self) -> None:
         if self.paused and self._task is None and not self.closed:

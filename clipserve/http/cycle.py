@@ -8,7 +8,7 @@ are a few percent of a 150 KB tensor request; bench/results/frontend-*.json).
 - An answer: uvicorn writes the head when the app sends it and the body on the next message: two
   writes, two TCP segments on a kept-alive connection. `Cycle` holds the head until the cycle's
   next write and sends both in one (a writev where the transport has one). The head goes
-  out alone where the answer has no body (HEAD, 204, 304) and on a close (uvicorn closes the
+  out alone for a HEAD (uvicorn writes no body for it) and on a close (uvicorn closes the
   connection of an app that stops or fails after its head).
 
 `GuardedHttpProtocol` (http/server.py) makes every cycle uvicorn builds a `Cycle` as its headers
@@ -101,12 +101,16 @@ class Cycle(RequestResponseCycle):
         }
 
     async def send(self, message: ASGISendEvent) -> None:
-        if self.held is None and message["type"] == "http.response.start":
-            self.held = _HeldHead(self.transport)
-            self.transport = self.held
+        held = self.held
+        if held is None:
+            if message["type"] == "http.response.start":
+                self.held = _HeldHead(self.transport)
+                self.transport = self.held
+        elif self.scope["method"] == "HEAD":
+            # uvicorn writes no body for a HEAD, and its last body message completes the
+            # answer (a refusal queued behind it may be written then): the head goes first.
+            held.flush()
         await RequestResponseCycle.send(self, message)
-        if self.response_complete and self.held is not None:
-            self.held.flush()  # a HEAD, 204 or 304 writes no body: its head goes alone
 
 
 @runtime_checkable

@@ -422,9 +422,7 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         protocol = self.config.http_protocol_class
         if self.started and issubclass(protocol, GuardedHttpProtocol):
-            refusals = protocol.refusals
-            gate = AcceptGate(self, lambda: refusals.sockets(gate) >= refusals.pause_at)
-            self.gate = refusals.gate = gate
+            self.gate = protocol.refusals.gate = AcceptGate(self, protocol.refusals)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # Closing a listener resets every connection in its accept queue: requests their

@@ -203,6 +203,16 @@ def test_answers_without_a_body_are_sent(port: int, method: str, path: str, stat
         assert read_one(sock) == echo(b"next", 1)
 
 
+def test_a_heads_answer_precedes_the_refusal_of_bad_bytes_behind_it(port: int) -> None:
+    """A HEAD's head goes out before its answer completes: the parser's 400 for the bytes
+    pipelined after it is written as that answer completes, and must come second."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request("/", b"", method="HEAD") + b"BOGUS\x01 junk\r\n\r\n")
+        data = read_all(sock)
+    assert data.startswith(b"HTTP/1.1 200"), data
+    assert b"HTTP/1.1 400" in data.partition(b"\r\n\r\n")[2], data
+
+
 @pytest.mark.parametrize("path", ["/stop-after-head", "/raise-after-head"])
 def test_an_app_that_stops_after_its_head_still_sends_it(port: int, path: str) -> None:
     """uvicorn closes such a connection; the head sent before that reaches the client."""

@@ -11,6 +11,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,4 +73,20 @@ def test_failed_handshakes_do_not_spend_the_socket_budget(server: str, client: s
                     sock.recv(100)
     # A real client is still served: accepting never paused, or resumed.
     answer = httpx.get(f"https://127.0.0.1:{port}/healthz", verify=tls, timeout=10)
+    assert answer.status_code == 200
+
+
+def test_handshakes_left_idle_then_dropped_do_not_keep_accepting_paused(server: str) -> None:
+    """Clients that connect and say nothing hold a budget's worth of sockets: accepting
+    pauses, as it should. Once they are gone, nothing tells the server (no connection was
+    made, and the full collection made when pausing aged their protocols): the gate's own
+    collection while paused must count them out, and a client queued meanwhile is served."""
+    port_text, cert = server.split(" ", 1)
+    port = int(port_text)
+    tls = ssl.create_default_context(cafile=cert)
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS + 66)]
+    time.sleep(1.0)  # accepted, and the budget spent: accepting pauses
+    for sock in idle:
+        sock.close()
+    answer = httpx.get(f"https://127.0.0.1:{port}/healthz", verify=tls, timeout=20)
     assert answer.status_code == 200
