@@ -6,7 +6,6 @@ scanners and TCP health checks would make them in production."""
 from __future__ import annotations
 
 import contextlib
-import signal
 import socket
 import ssl
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clipserve.loadgen.procs import free_port
+from clipserve.loadgen.procs import free_port, stop
 from tests.helpers import self_signed_cert, until
 
 # A subprocess server per module (~10 s): in `make test-slow`, which CI runs.
@@ -52,12 +51,7 @@ def server(tiny_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         until(ready, 120, "the server ready over HTTPS", poll_s=0.2)
         yield f"{port} {cert}"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 @pytest.mark.parametrize("client", ["plain text", "connect and close"])
