@@ -16,6 +16,14 @@ the per-round ratios, not only the medians, are reported.
 
     python -m bench.frontend.inproc --resident --tree before=/tmp/cs-before --tree after=. \
         --rounds 40 --requests 3000
+
+With --callgrind, the same requests are counted in instructions, which do not drift with the
+machine's speed as CPU time does (here by ±40% within seconds): each checkout's process runs
+under callgrind with instrumentation off until its warm-up is done, twice (N and 4N requests),
+and the difference over 3N is its instructions per request, every thread included.
+
+    python -m bench.frontend.inproc --callgrind --tree before=/tmp/cs-before --tree after=. \
+        --requests 640
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -32,6 +41,8 @@ import time
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
+
+CALLGRIND_ENV = "INPROC_CALLGRIND"  # set in a process that runs under callgrind
 
 TENSOR_HEADERS = [
     (b"content-type", b"application/octet-stream"),
@@ -115,9 +126,12 @@ async def _serve(model: Path, requests: int, concurrency: int, resident: bool = 
         per_client = requests // concurrency
 
         async def batch() -> float:
+            _instrument("on")
             t0 = time.process_time()
             await asyncio.gather(*(client(state, per_client) for _ in range(concurrency)))
-            return (time.process_time() - t0) / (per_client * concurrency) * 1e6
+            spent = time.process_time() - t0
+            _instrument("off")
+            return spent / (per_client * concurrency) * 1e6
 
         if not resident:
             return await batch()
@@ -126,6 +140,40 @@ async def _serve(model: Path, requests: int, concurrency: int, resident: bool = 
         while (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "go":
             print(await batch(), flush=True)
         return 0.0
+
+
+def _instrument(state: str) -> None:
+    """Callgrind's instrumentation of this process on or off, where it runs under callgrind
+    for `_instructions` (callgrind_control reaches it while it waits for the command)."""
+    if os.environ.get(CALLGRIND_ENV):
+        command = ["callgrind_control", "-i", state, str(os.getpid())]
+        subprocess.run(command, check=True, capture_output=True)
+
+
+def _instructions(tree: Path, model: Path, requests: int, concurrency: int) -> float:
+    """One checkout's instructions per request: two runs under callgrind, N and 4N requests."""
+    totals = []
+    for n in (requests, 4 * requests):
+        argv, env = _serving(tree, model, n, concurrency, resident=False)
+        tool = [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            "--callgrind-out-file=/dev/null",
+        ]
+        out = subprocess.run(
+            [*tool, *argv],
+            env={**env, CALLGRIND_ENV: "1"},
+            capture_output=True,
+            text=True,
+            cwd=tree,
+        )
+        found = re.search(r"Collected : (\d+)", out.stderr)
+        if out.returncode != 0 or found is None:
+            raise RuntimeError(f"callgrind run failed ({out.returncode}): {out.stderr[-2000:]}")
+        totals.append(int(found[1]))
+    per_client = requests // concurrency
+    return (totals[1] - totals[0]) / (3 * per_client * concurrency)
 
 
 def _one_run(tree: Path, model: Path, requests: int, concurrency: int) -> float:
@@ -215,6 +263,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=4000)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--resident", action="store_true", help="one process per checkout, rounds")
+    p.add_argument("--callgrind", action="store_true", help="instructions per request instead")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     trees = {name: Path(path).resolve() for name, path in (t.split("=", 1) for t in a.tree)}
@@ -226,6 +275,22 @@ def main() -> None:
         model = Path(tmp) / "fake-512.json"
         model.write_text(json.dumps(FAKE_CONFIG))
         names = list(trees)
+        if a.callgrind:
+            counts = {
+                n: _instructions(t, model, a.requests, a.concurrency) for n, t in trees.items()
+            }
+            report = {
+                "benchmark": "the app's instructions per tensor request, in process, callgrind",
+                "machine": machine(),
+                "requests": [a.requests, 4 * a.requests],
+                "concurrency": a.concurrency,
+                "instructions_per_request": {n: round(c) for n, c in counts.items()},
+                f"ratio_to_{names[0]}": {
+                    n: round(c / counts[names[0]], 4) for n, c in counts.items()
+                },
+            }
+            _write(report, a.out)
+            return
         if a.resident:
             runs = _resident_runs(trees, model, a.rounds, a.requests, a.concurrency)
         for r in range(0 if a.resident else a.rounds):
@@ -254,9 +319,13 @@ def main() -> None:
         },
         "runs": runs,
     }
+    _write(report, a.out)
+
+
+def _write(report: dict[str, Any], out: Path | None) -> None:
     text = json.dumps(report, indent=1)
-    if a.out:
-        a.out.write_text(text + "\n")
+    if out:
+        out.write_text(text + "\n")
     print(text)
 
 
