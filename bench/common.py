@@ -92,3 +92,13 @@ def rotated(items: Sequence[T], by: int) -> list[T]:
 def say(msg: str) -> None:
     """A progress line on stderr, with the time."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def per_request(
+    count: Callable[[int], int], requests: int, served: Callable[[int], float]
+) -> float:
+    """A count per request from runs of `requests` and 4x as many (callgrind's instructions,
+    say), their difference over the requests between them, so start-up cancels out. `count(n)`
+    runs n; `served(n)` is how many requests such a run counts."""
+    small, large = count(requests), count(4 * requests)
+    return (large - small) / (served(4 * requests) - served(requests))

@@ -116,17 +116,18 @@ def _calls(path: Path, requests: int) -> dict[str, float]:
 
 
 def _instructions(tree: str, requests: int, tmp: Path) -> float:
-    """The event loop thread's instructions per request under callgrind: the difference of
-    two runs (`requests` and 4x as many, warm-ups included), so start-up cancels out."""
-    totals = []
-    for n in (requests, 4 * requests):
+    """The event loop thread's instructions per request under callgrind (warm-ups included)."""
+    from bench.common import per_request
+
+    def count(n: int) -> int:
         out = tmp / f"cg.{n}"
         tool = ["valgrind", "--tool=callgrind", "--separate-threads=yes"]
         _run(tree, n, [*tool, f"--callgrind-out-file={out}"])
         summary = re.search(r"^summary: (\d+)", Path(f"{out}-01").read_text(), re.M)
         assert summary is not None, f"no summary in {out}-01"
-        totals.append(int(summary[1]))
-    return (totals[1] - totals[0]) / (3 * requests * 1.2)
+        return int(summary[1])
+
+    return per_request(count, requests, lambda n: n * 1.2)
 
 
 def main() -> None:
@@ -143,14 +144,13 @@ def main() -> None:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         print(uvloop.run(_serve(a.serve)))
         return
-    from bench.common import machine, spread, utc_now, write_report
+    from bench.common import machine, rotated, spread, utc_now, write_report
 
     trees = dict(t.split("=", 1) for t in a.tree) or {"this": "."}
     names = list(trees)
     runs: dict[str, list[float]] = {n: [] for n in names}
     for rnd in range(a.rounds):
-        order = names[rnd % len(names) :] + names[: rnd % len(names)]
-        for name in order:
+        for name in rotated(names, rnd):
             runs[name].append(_run(str(Path(trees[name]).resolve()), a.requests))
         print(f"round {rnd}: " + ", ".join(f"{n} {runs[n][-1]:.1f} µs" for n in names))
     report: dict[str, Any] = {

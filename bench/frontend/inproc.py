@@ -152,8 +152,9 @@ def _instrument(state: str) -> None:
 
 def _instructions(tree: Path, model: Path, requests: int, concurrency: int) -> float:
     """One checkout's instructions per request: two runs under callgrind, N and 4N requests."""
-    totals = []
-    for n in (requests, 4 * requests):
+    from bench.common import per_request
+
+    def count(n: int) -> int:
         argv, env = _serving(tree, model, n, concurrency, resident=False)
         tool = [
             "valgrind",
@@ -171,9 +172,10 @@ def _instructions(tree: Path, model: Path, requests: int, concurrency: int) -> f
         found = re.search(r"Collected : (\d+)", out.stderr)
         if out.returncode != 0 or found is None:
             raise RuntimeError(f"callgrind run failed ({out.returncode}): {out.stderr[-2000:]}")
-        totals.append(int(found[1]))
-    per_client = requests // concurrency
-    return (totals[1] - totals[0]) / (3 * per_client * concurrency)
+        return int(found[1])
+
+    # Only the measured batch is instrumented: n // concurrency requests per client.
+    return per_request(count, requests, lambda n: n // concurrency * concurrency)
 
 
 def _one_run(tree: Path, model: Path, requests: int, concurrency: int) -> float:

@@ -63,13 +63,20 @@ class Refusals:
 
     def _unmade(self) -> None:
         self.pending -= 1
-        gate = self.gate
-        if gate is not None and gate.paused and self.sockets(gate) < self.resume_below:
-            gate.resume_soon()
+        self.resume_if_room()
 
     def sockets(self, gate: AcceptGate) -> int:
         """Sockets held: connections, and those accepted but not yet connected."""
         return len(gate.server.server_state.connections) + self.pending
+
+    def full(self, gate: AcceptGate) -> bool:
+        return self.sockets(gate) >= self.pause_at
+
+    def resume_if_room(self) -> None:
+        """Accepting resumed if it is paused and enough sockets have gone."""
+        gate = self.gate
+        if gate is not None and gate.paused and self.sockets(gate) < self.resume_below:
+            gate.resume_soon()
 
     def log(self, open_connections: int) -> None:
         now = time.monotonic()
@@ -194,8 +201,7 @@ class AcceptGate:
 
     def _pause_if_full(self) -> None:
         self._scheduled = False
-        refusals = self.refusals
-        if not (self.paused or self.closed) and refusals.sockets(self) >= refusals.pause_at:
+        if not (self.paused or self.closed) and self.refusals.full(self):
             self._close_listeners()
 
     def _close_listeners(self) -> None:
@@ -225,8 +231,7 @@ class AcceptGate:
     def _resume_if_room(self) -> None:
         if not self.paused or self.closed:
             return
-        if self.refusals.sockets(self) < self.refusals.resume_below:
-            self.resume_soon()
+        self.refusals.resume_if_room()
         self._recheck_later()  # a no-op once resumed
 
     def resume_soon(self) -> None:

@@ -1,6 +1,7 @@
 """uvicorn's request-response cycle, less two copies of each request body and one write per
-answer: what a bare uvicorn server pays on every request, here paid less (on one core these
-are a few percent of a 150 KB tensor request; bench/results/frontend-*.json).
+answer: what a bare uvicorn server pays on every request, here paid less (3.6% of the
+protocol's instructions for a 150 KB body; no change CPU time could resolve end to end:
+bench/results/http-cycle.json, docs/design.md#http-layer).
 
 - A body: uvicorn gathers it into a bytearray (a copy of every chunk the parser hands over) and
   hands it on as bytes (a second copy). `Cycle` keeps a body that arrives as one chunk as the
@@ -25,13 +26,34 @@ from uvicorn._types import ASGIReceiveEvent, ASGISendEvent
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 
-class _HeldHead(asyncio.Transport):
-    """The transport as a cycle writing its answer sees it: the first write (the head) waits
-    for the second, then both go out in one call."""
+class _Passing(asyncio.Transport):
+    """A cycle's view of its connection's transport: what a cycle calls, passed on."""
 
     def __init__(self, transport: asyncio.Transport) -> None:
         super().__init__()
         self._transport = transport
+
+    def write(self, data: bytes | bytearray | memoryview[int]) -> None:
+        self._transport.write(data)
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def get_protocol(self) -> Any:
+        return self._transport.get_protocol()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+
+class _HeldHead(_Passing):
+    """The first write (the head) waits for the second, then both go out in one call."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        super().__init__(transport)
         self._head: bytes | None = None
         self._sent = False  # the head is out: writes pass straight through
 
@@ -49,18 +71,9 @@ class _HeldHead(asyncio.Transport):
         if head is not None:
             self._transport.write(head)
 
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
     def close(self) -> None:
         self.flush()
         self._transport.close()
-
-    def get_protocol(self) -> Any:
-        return self._transport.get_protocol()
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self._transport.get_extra_info(name, default)
 
 
 class Cycle(RequestResponseCycle):
@@ -122,19 +135,12 @@ class Lingering(Protocol):
     def count_response(self) -> None: ...
 
 
-class _LingeringClose(asyncio.Transport):
-    """The transport as an early-answer cycle sees it: `close()` is a lingering close."""
+class _LingeringClose(_Passing):
+    """`close()` is a lingering close."""
 
     def __init__(self, transport: asyncio.Transport, protocol: Lingering) -> None:
-        super().__init__()
-        self._transport = transport
+        super().__init__(transport)
         self._protocol = protocol
-
-    def write(self, data: bytes | bytearray | memoryview[int]) -> None:
-        self._transport.write(data)
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
 
     def close(self) -> None:
         self._protocol.close_lingering()

@@ -106,7 +106,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._unmade = weakref.finalize(self, refusals.unmade_soon, self.loop)
         self._unmade.atexit = False  # nothing to give back once the process exits
         gate = refusals.gate
-        if gate is not None and len(self.connections) + refusals.pending >= refusals.pause_at:
+        if gate is not None and refusals.full(gate):
             gate.pause_soon()
 
     # Connection lifecycle
@@ -141,10 +141,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             refusals.closing -= 1
         super().connection_lost(exc)
         self._watch.lost()
-        gate = refusals.gate
-        open_now = len(self.connections) + refusals.pending
-        if gate is not None and gate.paused and open_now < refusals.resume_below:
-            gate.resume_soon()
+        refusals.resume_if_room()
 
     def shutdown(self) -> None:
         if self._linger_bytes >= 0:
