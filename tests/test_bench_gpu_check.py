@@ -26,6 +26,9 @@ from bench.gpu_check.pipelined import (
     time_launch_wait,
     time_worker,
 )
+from bench.gpu_check.plan import Plan
+from bench.gpu_check.run import chosen, default_budget, sections
+from bench.gpu_check.served import Load
 from clipserve.backends.fake import FakeExecutor
 from tests.helpers import SPEC_32, marked_array
 
@@ -64,6 +67,36 @@ def test_sections_past_the_budget_are_skipped(tmp_path: Path) -> None:
         "env": {"status": "skipped", "error": "budget spent"},
         "decoders": {"status": "skipped", "error": "budget spent"},
     }
+
+
+def test_skip_leaves_sections_out_of_the_run_and_its_budget(tmp_path: Path) -> None:
+    plan = Plan("cuda:0", False, "ViT-B-32", 1, [2, 3], str(tmp_path))
+    names = [name for name, _ in sections(plan)]
+    kept = [n for n in names if chosen(n, ["executor:torch+fp16", "served"], ["served:jpeg"])]
+    # A prefix keeps what it names and everything longer: --skip takes the longer one out.
+    assert kept == [
+        "executor:torch+fp16",
+        "executor:torch+fp16+compile",
+        "served:tensor-d2",
+        "served:tensor-d3",
+    ]
+    assert [n for n in kept if chosen(n, None, ["executor:torch+fp16+compile"])] == [
+        "executor:torch+fp16",
+        "served:tensor-d2",
+        "served:tensor-d3",
+    ]
+    full = default_budget(plan, ["executor:torch+fp16"], [])
+    assert default_budget(plan, ["executor:torch+fp16"], ["executor:torch+fp16+"]) == full - 200
+
+
+def test_served_loads_fit_the_body_budget() -> None:
+    """The first GPU run's tensor load (64 requests of 64 images) overran the default 256 MiB
+    and measured 503s; each load now asks for room for all its bodies, never below the default."""
+    for payload in ("tensor", "jpeg"):
+        for quick in (False, True):
+            load = Load.of(payload, quick)
+            body = load.images_per_request * 224 * 224 * 3
+            assert load.body_bytes() >= max(load.concurrency * body, 2**28)
 
 
 def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path: Path) -> None:

@@ -32,31 +32,34 @@ of its own limit and the budget, and is skipped when too little is left. Writes
 bench/results/gpu-check-<gpu>-<date>.json (cpu-<cpu> without a GPU).
 
 On the lent H100/H200 hosts (no network there; their image has torch, torchvision, onnx,
-onnxruntime (CPU), onnxscript, numpy, pillow, aiohttp, msgpack, prometheus-client, anyio, h11,
-click, httpx, pytest, pytest-timeout, uvloop, regex, timm, huggingface-hub, safetensors),
-carry this wheel set (9 wheels, 3.4 MB; hdrhistogram's pbr and setuptools requirements are for
-its build, not its import), downloaded here at the repository root first:
+onnxruntime (CPU), numpy, pillow, aiohttp, msgpack, prometheus-client, anyio, h11, click, httpx,
+pytest, pytest-timeout, uvloop, regex, timm, huggingface-hub, safetensors), carry this wheel set
+(14 wheels, 13 MB; grpcio and protobuf at the versions tritonclient's protos need), downloaded
+here at the repository root first:
 
     echo /.whl/ >> .git/info/exclude
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
-      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
-      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \\
-      starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.0 open_clip_torch==3.3.0 ftfy==6.3.1 \\
-      wcwidth==0.9.4 orjson==3.13.0 python-multipart==0.0.34 hdrhistogram==0.10.8
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
+      starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.0 open_clip_torch==3.3.0 ftfy==6.3.1 \
+      wcwidth==0.9.4 orjson==3.13.0 python-multipart==0.0.34 hdrhistogram==0.10.8 \
+      simplejpeg==1.9.0 tritonclient==2.73.0 protobuf==6.33.6 grpcio==1.85.3 \
+      python-rapidjson==1.25
     # optional (ort-cuda; 255 MB, over one call's 64 MiB carry limit alone): onnxruntime-gpu
 
-and run it there (device tool: carry [".whl"]). One call runs at most 10 minutes, so split the
-sections with --only and join them with --merge, copying each call's JSON from $OUT into
-bench/results/ before the next call (a section left out by the budget is listed "skipped"):
+and run it there (device tool: carry [".whl"]), each call's command starting with
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
-      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. || exit; \\
-    PYTHONUNBUFFERED=1 python3 -m bench.gpu_check --only env,gpu-tests,executor:torch \\
-      --budget-s 570 --out $OUT/gpu-check.json
-    # copy it to bench/results/gpu-check-h100.json, then, in the second call:
-    ... python3 -m bench.gpu_check --only executor:cuda-graphs,decoders,served \\
-      --budget-s 570 --merge bench/results/gpu-check-h100.json --out $OUT/gpu-check.json
-    # and a third call the same way for --only pipelined (three sections, 150 s limits)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. || exit
+
+A session has 15 minutes of device time, a machine's start included, so choose sections with
+--only and --skip and give each call a --budget-s; copy each call's JSON from $OUT and join them
+here (--merge). The first run (2026-11-27, bench/results/gpu-check-h100-*.json and -h200-*.json)
+took three calls: env,gpu-tests,executor:torch+fp16,executor:cuda-graphs,served:tensor-d2 with
+--skip executor:torch+fp16+compile (320 s); served:tensor-d2, then decoders,served:jpeg (270 s);
+served:tensor-d2 with --workers 4 (120 s). Measured there: gpu-tests 160 s, an executor sweep
+25-30 s, a served section 50-110 s, decoders 56 s. Not yet run: torch.compile, pipelined:*,
+ort-cuda and ort-trt (onnxruntime-gpu does not fit a call).
 
 clipserve itself runs from the working tree (the repository root is the working directory).
 """

@@ -41,6 +41,7 @@ def parser() -> argparse.ArgumentParser:
         "--budget-s", type=float, help="the whole run's time budget (default: its sections' sum)"
     )
     p.add_argument("--only", help="comma-separated section name prefixes (env,executor,...)")
+    p.add_argument("--skip", help="comma-separated section name prefixes to leave out")
     p.add_argument("--out", type=Path, help="the JSON (default bench/results/gpu-check-...)")
     p.add_argument(
         "--merge",
@@ -133,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_of(args, cuda)
     started = time.monotonic()
     only = args.only.split(",") if args.only else None
-    budget_s = args.budget_s if args.budget_s is not None else default_budget(plan, only)
-    results = run_all(plan, budget_s, only)
+    skip = args.skip.split(",") if args.skip else []
+    budget_s = args.budget_s if args.budget_s is not None else default_budget(plan, only, skip)
+    results = run_all(plan, budget_s, only, skip)
     if args.merge:
         results = {**json.loads(args.merge.read_text())["sections"], **results}
     gpus = gpu_models()

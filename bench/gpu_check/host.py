@@ -88,6 +88,7 @@ def section_gpu_tests(plan: Plan, emit: Emit) -> dict[str, Any]:
         )
     if plan.cuda:  # the decode and pipelined paths again, under PyTorch's stream sanitizer
         out["sanitizer"] = sanitized_tests(plan)
+    emit(out)  # kept with the section's failure: which tests failed, and the sanitizer's run
     if proc.returncode not in (0, 5):  # 5: nothing collected
         raise RuntimeError(f"pytest exited with {proc.returncode}: {out.get('failed')}")
     if out.get("sanitizer", {}).get("exit_code", 0) not in (0, 5):

@@ -92,21 +92,25 @@ def _section_process(cmd: list[str], log: Path) -> Iterator[subprocess.Popen[byt
                     proc.wait()
 
 
-def default_budget(plan: Plan, only: list[str] | None) -> float:
+def chosen(name: str, only: list[str] | None, skip: list[str]) -> bool:
+    """Whether --only (prefixes; none: all) and --skip (prefixes) leave the section in."""
+    wanted = not only or any(name.startswith(o) for o in only)
+    return wanted and not any(name.startswith(s) for s in skip)
+
+
+def default_budget(plan: Plan, only: list[str] | None, skip: list[str]) -> float:
     """The sum of the limits of the sections that will run: none is skipped for want of time
     unless --budget-s asks for less."""
-    return sum(
-        limit for name, limit in sections(plan) if not only or any(name.startswith(o) for o in only)
-    )
+    return sum(limit for name, limit in sections(plan) if chosen(name, only, skip))
 
 
-def run_all(plan: Plan, budget_s: float, only: list[str] | None) -> dict[str, Any]:
+def run_all(plan: Plan, budget_s: float, only: list[str] | None, skip: list[str]) -> dict[str, Any]:
     start = time.monotonic()
     work = Path(plan.out_dir)
     (work / "plan.json").write_text(json.dumps(asdict(plan)))
     results: dict[str, Any] = {}
     for name, limit in sections(plan):
-        if only and not any(name.startswith(o) for o in only):
+        if not chosen(name, only, skip):
             continue
         left = budget_s - (time.monotonic() - start)
         limit = min(limit, left - 5)

@@ -44,6 +44,8 @@ class TextExecutor:
         with device_context(device):
             self.module: Any = module.to(self.device, _DTYPES[precision]).eval()
             self.stream = own_stream(self.device)
+            if self.stream is not None:  # the weights were copied on the current stream
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.context_length = int(model.context_length)
         self.info = ExecutorInfo("torch-text", str(self.device), precision, (0, 0), model.embed_dim)
 

@@ -146,6 +146,11 @@ class TorchExecutor:
             self.stream: Stream = self.layer.stream()
             # Host-to-device copies of the next batch overlap this batch's compute.
             self.copy_stream: Stream = self.layer.stream()
+            # The weights and constants above were copied on the current stream; work on ours
+            # must not read them before those copies end (PyTorch's stream sanitizer, on an
+            # H100, flagged the first batch's normalisation reading `_bias`).
+            for stream in (self.stream, self.copy_stream):
+                stream.wait_stream(self.layer.current())
         self.asynchronous = self.layer.asynchronous
         self._free: list[_Slot] = []  # staging slots not holding a batch in flight
         self._slots_lock = threading.Lock()  # launch and wait run on different threads

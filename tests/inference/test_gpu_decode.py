@@ -29,11 +29,14 @@ from tests.helpers import corrupt_huffman, needs_cuda, with_orientation
 MAX_PIXEL_DIFF = 2
 MEAN_PIXEL_DIFF = 0.05
 MIN_COSINE = 0.99999
-# nvJPEG is not libjpeg-turbo (its IDCT and chroma upsampling differ) and has not yet run here:
-# until a GPU run measures it, it gets the host fast path's bounds
-# (tests/inference/test_preprocess.py).
+# nvJPEG upsamples chroma differently from libjpeg-turbo (its luma matches: the grayscale image
+# is exact). Measured on an H200 (torchvision 0.26, CUDA 13; bench/results/gpu-check-*), full
+# decodes against Pillow differ by up to 83 levels at these synthetic images' colour edges, and
+# 224x224 crops by max 75, mean <= 1.38 for images at least the crop's size; the 100x80 image,
+# upscaled 2.8x, by mean 2.52. Embeddings stay within NVJPEG_MIN_COSINE.
 NVJPEG_MEAN_PIXEL_DIFF = 1.5
-NVJPEG_MAX_PIXEL_DIFF = 64
+NVJPEG_UPSCALED_MEAN_PIXEL_DIFF = 3.0  # images smaller than the crop magnify the difference
+NVJPEG_MAX_PIXEL_DIFF = 96
 NVJPEG_MIN_COSINE = 0.999
 SIZES = [(640, 480), (1920, 1080), (480, 640), (300, 500), (256, 256), (224, 224), (100, 80)]
 
@@ -69,12 +72,15 @@ def decoder(spec: PreprocessSpec, device: str = "cpu", **kw: Any) -> DeviceDecod
     return DeviceDecoder(ImageDecoder(spec, 40_000_000), device, **kw)
 
 
-def check_pixels(got: np.ndarray, want: np.ndarray, device: str = "cpu") -> None:
+def check_pixels(
+    got: np.ndarray, want: np.ndarray, device: str = "cpu", upscaled: bool = False
+) -> None:
     diff = np.abs(got.astype(np.int16) - want.astype(np.int16))
     assert got.shape == want.shape == (224, 224, 3)
     cpu = device == "cpu"
     most = MAX_PIXEL_DIFF if cpu else NVJPEG_MAX_PIXEL_DIFF
-    mean = MEAN_PIXEL_DIFF if cpu else NVJPEG_MEAN_PIXEL_DIFF
+    mean = NVJPEG_UPSCALED_MEAN_PIXEL_DIFF if upscaled else NVJPEG_MEAN_PIXEL_DIFF
+    mean = MEAN_PIXEL_DIFF if cpu else mean
     assert diff.max() <= most and diff.mean() <= mean, (diff.max(), diff.mean())
 
 
@@ -98,7 +104,8 @@ def run_pixel_parity(
     assert batch.pixels.device.type == torch.device(device).type
     crops = crops_numpy(batch)
     for data, got in zip(images, crops, strict=True):
-        check_pixels(got, open_clip_pixels(preprocess, data), device)
+        upscaled = min(Image.open(io.BytesIO(data)).size) < 224
+        check_pixels(got, open_clip_pixels(preprocess, data), device, upscaled)
 
 
 @pytest.mark.parametrize("uint8_resize", [True, False], ids=["uint8-resize", "float-resize"])
