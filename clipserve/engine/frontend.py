@@ -13,6 +13,7 @@ from clipserve.engine.child import start_child
 from clipserve.engine.messages import ModelCard
 from clipserve.http.app import create_app
 from clipserve.http.connections import ensure_fd_limit
+from clipserve.http.heap import keep_body_pages
 from clipserve.http.server import build_uvicorn_config, draining_server
 
 log = logging.getLogger("clipserve.supervisor")
@@ -47,6 +48,7 @@ def frontend_main(
             log.warning("front end %d: the others did not start in time; starting alone", index)
     app = create_app(config, engine=(socket_path, card), buckets=buckets, front_end=(parent, index))
     ensure_fd_limit(config.http.max_connections)
+    keep_body_pages(config.limits.max_body_bytes_in_flight)
     server = draining_server(build_uvicorn_config(app, config.http))
     server.run(sockets=[listener])
     logging.shutdown()

@@ -93,6 +93,8 @@ class Context:
     accept: str = "application/json"
     extra_headers: Mapping[str, str] = field(default_factory=dict)
     index: int = 0  # which of the rotating variants this is
+    # Each source's crop, made once for all the variants that carry it (id of the source).
+    crops: dict[int, np.ndarray] = field(default_factory=dict)
 
     def headers(self, content_type: str, **more: str) -> dict[str, str]:
         return {"Content-Type": content_type, "Accept": self.accept, **more, **self.extra_headers}
@@ -112,7 +114,10 @@ class Context:
         """The crops the server would make, uint8 NHWC, or normalised NCHW floats."""
         spec = self.model.spec
         decoder = ImageDecoder(spec, 10**9)
-        pixels = np.stack([decoder(encode(s.image, "PNG")) for s in self.images])
+        for s in self.images:
+            if id(s) not in self.crops:  # lossless: the server's decoder makes its own crop
+                self.crops[id(s)] = decoder(encode(s.image, "PNG", compress_level=1))
+        pixels = np.stack([self.crops[id(s)] for s in self.images])
         if self.tensor_dtype == "uint8":
             return pixels
         from clipserve.backends.base import normalise_numpy
@@ -299,8 +304,9 @@ def build_requests(
     if tensor_dtype not in ("uint8", "float16", "float32"):
         raise ValueError(f"--tensor-dtype {tensor_dtype}: one of uint8, float16, float32")
     out = []
+    crops: dict[int, np.ndarray] = {}
     for v in range(max(1, min(variants, len(sources)))):
         images = [sources[(v * n + i) % len(sources)] for i in range(n)]
-        ctx = Context(images, model, tensor_dtype=tensor_dtype, accept=accept, index=v)
+        ctx = Context(images, model, tensor_dtype=tensor_dtype, accept=accept, index=v, crops=crops)
         out.append(k.build(ctx))
     return out
