@@ -56,10 +56,11 @@ A session has 15 minutes of device time, a machine's start included, so choose s
 --only and --skip and give each call a --budget-s; copy each call's JSON from $OUT and join them
 here (--merge). The first run (2026-11-27, bench/results/gpu-check-h100-*.json and -h200-*.json)
 took three calls: env,gpu-tests,executor:torch+fp16,executor:cuda-graphs,served:tensor-d2 with
---skip executor:torch+fp16+compile (320 s); served:tensor-d2, then decoders,served:jpeg (270 s);
-served:tensor-d2 with --workers 4 (120 s). Measured there: gpu-tests 160 s, an executor sweep
-25-30 s, a served section 50-110 s, decoders 56 s. Not yet run: torch.compile, pipelined:*,
-ort-cuda and ort-trt (onnxruntime-gpu does not fit a call).
+--skip executor:torch+fp16+compile (a 315 s budget); served:tensor-d2, then
+decoders,served:jpeg (270 s); served:tensor-d2 with --workers 4 (120 s). Measured there:
+gpu-tests 160 s, an executor sweep 25-30 s, a served section 50-110 s (of it, up to a minute of
+clipserve-bench building tensor payloads, since cut to seconds), decoders 56 s. Not yet run:
+torch.compile, pipelined:*, ort-cuda and ort-trt (onnxruntime-gpu does not fit a call).
 
 clipserve itself runs from the working tree (the repository root is the working directory).
 """

@@ -73,8 +73,9 @@ class CudaGraphExecutor(TorchExecutor):
 
     def _capture(self, n: int, pool: _POOL_HANDLE | None) -> None:
         h, w = self.spec.size
-        static_in = torch.zeros((n, h, w, 3), dtype=torch.uint8, device=self.device)
         with torch.inference_mode(), self.layer.on(self.stream):
+            # Zeroed on the stream that reads it (the first GPU run's stream sanitizer).
+            static_in = torch.zeros((n, h, w, 3), dtype=torch.uint8, device=self.device)
             for _ in range(2):  # warm up kernels and the allocator outside the capture
                 self.forward(self.normalise(static_in))
             self.stream.synchronize()

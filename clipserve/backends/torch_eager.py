@@ -147,8 +147,8 @@ class TorchExecutor:
             # Host-to-device copies of the next batch overlap this batch's compute.
             self.copy_stream: Stream = self.layer.stream()
             # The weights and constants above were copied on the current stream; work on ours
-            # must not read them before those copies end (PyTorch's stream sanitizer, on an
-            # H100, flagged the first batch's normalisation reading `_bias`).
+            # reads them. Copies from pageable memory return once done, but the order is now
+            # explicit (PyTorch's stream sanitizer, on the first GPU run, flagged `_bias`).
             for stream in (self.stream, self.copy_stream):
                 stream.wait_stream(self.layer.current())
         self.asynchronous = self.layer.asynchronous

@@ -48,7 +48,7 @@ def frontend_main(
             log.warning("front end %d: the others did not start in time; starting alone", index)
     app = create_app(config, engine=(socket_path, card), buckets=buckets, front_end=(parent, index))
     ensure_fd_limit(config.http.max_connections)
-    keep_body_pages(config.limits.max_body_bytes_in_flight)
+    keep_body_pages(config.limits.max_body_bytes_in_flight, config.http.workers)
     server = draining_server(build_uvicorn_config(app, config.http))
     server.run(sockets=[listener])
     logging.shutdown()
