@@ -67,16 +67,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def serve(config: ServerConfig) -> int:
     from clipserve.http.connections import ensure_fd_limit
-    from clipserve.http.heap import keep_body_pages
 
     # Before anything starts (front ends inherit the raised limit): a limit too low to hold
     # --max-connections fails here, in a second.
     ensure_fd_limit(config.http.max_connections)
-    keep_body_pages(config.limits.max_body_bytes_in_flight)
     if config.http.workers > 1:
         from clipserve.engine.supervisor import supervise
 
         return supervise(config)
+
+    from clipserve.http.heap import keep_body_pages
+
+    keep_body_pages(config.limits.max_body_bytes_in_flight)  # front ends: engine/frontend.py
 
     from clipserve.http.access import check_access
     from clipserve.http.app import create_app

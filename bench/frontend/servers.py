@@ -21,7 +21,7 @@ import psutil  # type: ignore[import-untyped]
 
 from bench.common import REPO, say
 from clipserve.loadgen.payloads import Request
-from clipserve.loadgen.procs import free_port, pin
+from clipserve.loadgen.procs import free_port, knows, pin
 
 
 @dataclass
@@ -51,13 +51,10 @@ def clipserve(name: str, flags: Sequence[str], tree: Path | None = None) -> Serv
     env = {**os.environ, "PYTHONPATH": str(tree)} if tree else None
     n = int(flags[flags.index("--workers") + 1]) if "--workers" in flags else 1
     argv = ["-m", "clipserve", *flags, "--log-level", "warning"]
-    package = (tree or REPO) / "clipserve"
-    sources = [package / "config.py", package / "config" / "schema.py"]  # before / after the split
-    text = "".join(s.read_text() for s in sources if s.is_file())
-    if "cache_mb" in text and "--cache-mb" not in flags:
+    if knows(tree, "cache_mb") and "--cache-mb" not in flags:
         # One payload sent over and over would measure the embedding cache's hits.
         argv += ["--cache-mb", "0"]
-    if "grpc_port" in text and "--grpc-port" not in flags:
+    if knows(tree, "grpc_port") and "--grpc-port" not in flags:
         # gRPC stays on, as served, but on a port of its own: servers run side by side.
         argv += ["--grpc-port", str(free_port())]
     return Server(name, argv, tree or REPO, env, front_ends=n)

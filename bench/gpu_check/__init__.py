@@ -38,18 +38,18 @@ pytest, pytest-timeout, uvloop, regex, timm, huggingface-hub, safetensors), carr
 here at the repository root first:
 
     echo /.whl/ >> .git/info/exclude
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
-      starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.0 open_clip_torch==3.3.0 ftfy==6.3.1 \
-      wcwidth==0.9.4 orjson==3.13.0 python-multipart==0.0.34 hdrhistogram==0.10.8 \
-      simplejpeg==1.9.0 tritonclient==2.73.0 protobuf==6.33.6 grpcio==1.85.3 \
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
+      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \\
+      starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.0 open_clip_torch==3.3.0 ftfy==6.3.1 \\
+      wcwidth==0.9.4 orjson==3.13.0 python-multipart==0.0.34 hdrhistogram==0.10.8 \\
+      simplejpeg==1.9.0 tritonclient==2.73.0 protobuf==6.33.6 grpcio==1.85.3 \\
       python-rapidjson==1.25
     # optional (ort-cuda; 255 MB, over one call's 64 MiB carry limit alone): onnxruntime-gpu
 
 and run it there (device tool: carry [".whl"]), each call's command starting with
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. || exit
 
 A session has 15 minutes of device time, a machine's start included, so choose sections with

@@ -75,12 +75,12 @@ def clipserve_process(
     cmd = [sys.executable, "-m", "clipserve", *flags, "--host", "127.0.0.1", "--port", str(port)]
     if "--log-level" not in flags:
         cmd += ["--log-level", "warning"]
-    if "--cache-mb" not in flags and _knows(cwd, "cache_mb"):
+    if "--cache-mb" not in flags and knows(cwd, "cache_mb"):
         # Benchmarks send one payload over and over: with the embedding cache on, they would
         # measure its hits, not the path to the device. bench/cache.py turns it on itself.
         cmd += ["--cache-mb", "0"]
     grpc_chosen = "--grpc-port" in flags or "CLIPSERVE_GRPC_PORT" in os.environ
-    if not grpc_chosen and _knows(cwd, "grpc_port"):
+    if not grpc_chosen and knows(cwd, "grpc_port"):
         # gRPC stays on, as served, on a port of its own: not Triton's 8001, which a test
         # server or another benchmark's may hold (the tests' environment turns it off).
         cmd += ["--grpc-port", str(free_port())]
@@ -94,8 +94,9 @@ def clipserve_process(
         stop(proc)
 
 
-def _knows(tree: Path | None, setting: str) -> bool:
-    """Whether the server imported from `tree` (None: this one) has the setting (a flag)."""
+def knows(tree: Path | None, setting: str) -> bool:
+    """Whether the server imported from `tree` (None: this one) has the setting (a flag): a
+    benchmark may run a checkout from before the flag."""
     if tree is None:
         return True
     sources = [tree / "clipserve" / "config.py", tree / "clipserve" / "config" / "schema.py"]
