@@ -59,6 +59,24 @@ def wait_ready(proc: subprocess.Popen[bytes], url: str, startup_s: float, what: 
         time.sleep(0.1)
 
 
+def server_command(flags: Sequence[str], port: int, tree: Path | None = None) -> list[str]:
+    """`python -m clipserve FLAGS` on `port`, with what a benchmark's server needs unless the
+    flags say otherwise."""
+    cmd = [sys.executable, "-m", "clipserve", *flags, "--host", "127.0.0.1", "--port", str(port)]
+    if "--log-level" not in flags:
+        cmd += ["--log-level", "warning"]
+    if "--cache-mb" not in flags and knows(tree, "cache_mb"):
+        # Benchmarks send one payload over and over: with the embedding cache on, they would
+        # measure its hits, not the path to the device. bench/cache.py turns it on itself.
+        cmd += ["--cache-mb", "0"]
+    grpc_chosen = "--grpc-port" in flags or "CLIPSERVE_GRPC_PORT" in os.environ
+    if not grpc_chosen and knows(tree, "grpc_port"):
+        # gRPC stays on, as served, on a port of its own: not Triton's 8001, which a test
+        # server or another benchmark's may hold (the tests' environment turns it off).
+        cmd += ["--grpc-port", str(free_port())]
+    return cmd
+
+
 @contextlib.contextmanager
 def clipserve_process(
     flags: Sequence[str],
@@ -72,18 +90,7 @@ def clipserve_process(
     its URL once /readyz answers. With `cwd`, the server is imported from that source tree
     (`-m` puts the cwd first); `stdout` takes its output (stderr too)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "clipserve", *flags, "--host", "127.0.0.1", "--port", str(port)]
-    if "--log-level" not in flags:
-        cmd += ["--log-level", "warning"]
-    if "--cache-mb" not in flags and knows(cwd, "cache_mb"):
-        # Benchmarks send one payload over and over: with the embedding cache on, they would
-        # measure its hits, not the path to the device. bench/cache.py turns it on itself.
-        cmd += ["--cache-mb", "0"]
-    grpc_chosen = "--grpc-port" in flags or "CLIPSERVE_GRPC_PORT" in os.environ
-    if not grpc_chosen and knows(cwd, "grpc_port"):
-        # gRPC stays on, as served, on a port of its own: not Triton's 8001, which a test
-        # server or another benchmark's may hold (the tests' environment turns it off).
-        cmd += ["--grpc-port", str(free_port())]
+    cmd = server_command(flags, port, cwd)
     stderr = None if stdout is None else subprocess.STDOUT
     proc = subprocess.Popen(cmd, preexec_fn=pin(cpus), cwd=cwd, stdout=stdout, stderr=stderr)
     url = f"http://127.0.0.1:{port}"

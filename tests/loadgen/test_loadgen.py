@@ -18,7 +18,7 @@ import uvicorn
 from clipserve.loadgen.images import SourceImage, synthetic_image
 from clipserve.loadgen.loadgen import LoadSpec, run_async, run_load
 from clipserve.loadgen.payloads import ModelInput, Request, build_requests
-from clipserve.loadgen.procs import free_port
+from clipserve.loadgen.procs import free_port, server_command
 from clipserve.loadgen.runner import run_point
 from clipserve.loadgen.server import fetch_info, parse_metrics
 from clipserve.loadgen.stats import Latencies
@@ -283,3 +283,15 @@ def test_cli_sweeps_and_writes_table_json_csv_and_plot(
     assert len(rows) == 3 and rows[0].startswith("mode,load,req/s")
     assert Path(f"{out}.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["--url", server.url, "--payload", "jpeg", "-b", "4", "-n", "1"]) == 2  # refused
+
+
+def test_benchmark_servers_keep_off_tritons_grpc_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A benchmark's server serves gRPC on a free port of its own, not 8001 (which a test's or
+    another benchmark's server may hold); a flag or the environment's choice stands."""
+    monkeypatch.delenv("CLIPSERVE_GRPC_PORT", raising=False)
+    cmd = server_command(["--backend", "fake"], 18000)
+    grpc = int(cmd[cmd.index("--grpc-port") + 1])
+    assert grpc not in (8001, 18000) and cmd.count("--grpc-port") == 1
+    assert server_command(["--grpc-port", "9"], 18000).count("--grpc-port") == 1
+    monkeypatch.setenv("CLIPSERVE_GRPC_PORT", "0")
+    assert "--grpc-port" not in server_command(["--backend", "fake"], 18000)
