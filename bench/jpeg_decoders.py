@@ -19,6 +19,8 @@ JPEG requests per core, today's Pillow path against the fast path (inference/jpe
   scales   round 3: simplejpeg's n/8 DCT scales, each one's decode cost on the 640x480 image
            (interleaved, thread CPU time) and its parity with open_clip on the photos.
 
+Round 6 (--round round_6 --sections served): round 4's rows and the fast path under
+`--jpeg-scaling fast` (decoding to the model's size, as Pillow's draft did).
 Round 4 (--round round_4): `attribution`, `passes` (bench/jpeg_serve.py); `served`: two rows.
 
 Round 3 (--round round_3) adds the fast path's decode setting (inference/jpeg.py: plain chroma
@@ -37,7 +39,6 @@ import functools
 import importlib
 import io
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -54,16 +55,14 @@ from bench.common import CLIP_SPEC, REPO, machine, rotated, say, spread, utc_now
 from bench.frontend.cli import FAKE_CONFIG
 from bench.frontend.load import requests_of, saturate
 from bench.frontend.profile import profile
-from bench.frontend.servers import Server, affinity, clipserve, fake_flags, start_all
+from bench.frontend.servers import affinity, start_all
+from bench.jpeg_variants import BASELINE, ROUND_2, ROUND_2_VARIANTS, ROUNDS, served_variants
 from clipserve.inference.jpeg import FastJpeg, _torch_resize_crop, fast_jpeg
 from clipserve.inference.preprocess import ImageDecoder, center_box, resized_size
 from clipserve.loadgen.images import jpeg
 
 Fn = Callable[[bytes], np.ndarray]
-BASELINE = "pillow draft margin 1 (today's decode)"
 BICUBIC = Image.Resampling.BICUBIC
-# inference/jpeg.py's decode settings as round 2 had them (fancy upsampling, RGB out).
-ROUND_2 = {"FAST_UPSAMPLE_SHRINK": None}
 
 
 def fast_with(settings: dict[str, Any]) -> FastJpeg | None:
@@ -298,77 +297,6 @@ def section_parity() -> dict[str, Any]:
         "summary": summary,
         "rows": rows,
     }
-
-
-def shim(
-    tmp: Path,
-    name: str,
-    hide_simplejpeg: bool,
-    margin: int | None,
-    settings: dict[str, Any] | None = None,
-) -> str:
-    """A PYTHONPATH folder that hides simplejpeg (the Pillow fallback) and/or sets DRAFT_MARGIN
-    and the fast path's decode settings in the server process (a sitecustomize, run before the
-    server builds its decoder)."""
-    folder = tmp / name
-    folder.mkdir()
-    if hide_simplejpeg:
-        (folder / "simplejpeg.py").write_text("raise ImportError('hidden: the Pillow path')\n")
-    lines = []
-    if margin is not None:
-        lines += ["import clipserve.inference.preprocess as p", f"p.DRAFT_MARGIN = {margin}"]
-    if settings:
-        lines.append("import clipserve.inference.jpeg as j")
-        lines += [f"j.{k} = {v!r}" for k, v in settings.items()]
-    if lines:
-        (folder / "sitecustomize.py").write_text("\n".join(lines) + "\n")
-    return f"{folder}:{REPO}"
-
-
-Variant = tuple[str, bool, int | None, dict[str, Any] | None]
-ROUND_2_VARIANTS: list[Variant] = [
-    (BASELINE, True, 1, None),
-    ("pillow draft margin 2 (the fallback now)", True, None, None),
-    ("fast path (margin 2, the default)", False, None, None),
-    ("fast path at margin 1 (round 1's parity)", False, 1, None),
-]
-ROUND_3_VARIANTS: list[Variant] = [
-    (BASELINE, True, 1, None),
-    ("fast path, round 2 (fancy upsampling)", False, None, ROUND_2),
-    ("fast path, round 3 default (plain upsampling at >= 2x shrink)", False, None, None),
-]
-ROUND_4_VARIANTS: list[Variant] = [
-    (BASELINE, True, 1, None),
-    ("fast path (the default)", False, None, None),
-]
-ROUNDS = {"round_3": ROUND_3_VARIANTS, "round_4": ROUND_4_VARIANTS, "round_5": ROUND_4_VARIANTS}
-
-
-def served_variants(
-    tmp: Path,
-    model: Path,
-    head: bool,
-    variants: list[Variant] = ROUND_2_VARIANTS,
-    before: Path | None = None,
-) -> list[Server]:
-    flags = fake_flags(model)
-    out: list[Server] = []
-    for name, hide, margin, settings in variants:
-        server = clipserve(name, flags)
-        env_path = shim(tmp, f"shim{len(out)}", hide, margin, settings)
-        server.env = {**os.environ, "PYTHONPATH": env_path}
-        out.append(server)
-    if head:
-        tree = tmp / "head"
-        tree.mkdir()
-        archive = subprocess.run(
-            ["git", "archive", "HEAD"], cwd=REPO, check=True, capture_output=True
-        )
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
-        out.append(clipserve("HEAD tree (committed)", flags, tree))
-    if before is not None:  # its defaults: the fast path as that tree has it
-        out.append(clipserve(f"before tree ({before.name})", flags, before))
-    return out
 
 
 def section_served(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:

@@ -11,12 +11,27 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import threading
+import time
 from typing import Any
 
 # The observer's access lines: on at INFO in JSON mode only (their fields are meant for a
 # machine; the text format stays what it was, with no line per request).
 ACCESS_LOGGER = "clipserve.access"
 MAIN_ROLE = "main"  # the process clipserve started as: the server, or --workers N's supervisor
+# Lines any client can make the server write, one per bad request: at most one of each per
+# interval, the next one saying how many were left out. (logger, message template)
+CLIENT_NOISE = {
+    ("uvicorn.error", "Invalid HTTP request received."),
+    ("uvicorn.error", "Unsupported upgrade request."),
+    ("uvicorn.error", "Exceeded concurrency limit."),
+}
+# A malformed multipart body is refused with a 400; its parser's own warnings say no more.
+CLIENT_NOISE_LOGGERS = ("python_multipart", "multipart")
+# The loggers those records are made on (a logger's filters see only its own records, whatever
+# handlers uvicorn's logging config installs).
+NOISY = ("uvicorn.error", "python_multipart.multipart", "python_multipart.decoders")
+NOISE_INTERVAL_S = 10.0
 
 
 class JsonFormatter(logging.Formatter):
@@ -48,10 +63,56 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+class ClientNoise(logging.Filter):
+    """At most one line per CLIENT_NOISE message (and per noisy logger) per NOISE_INTERVAL_S;
+    the next line let through counts those held back. Other records pass untouched."""
+
+    def __init__(self, interval_s: float = NOISE_INTERVAL_S) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._last: dict[tuple[str, str], float] = {}
+        self._held: dict[tuple[str, str], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = self._key(record)
+        if key is None:
+            return True
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self.interval_s:
+                self._held[key] = self._held.get(key, 0) + 1
+                return False
+            self._last[key] = now
+            held = self._held.pop(key, 0)
+        if held:
+            record.msg = f"{record.getMessage()} ({held} more like it not logged)"
+            record.args = None
+        return True
+
+    @staticmethod
+    def _key(record: logging.LogRecord) -> tuple[str, str] | None:
+        if record.name.split(".", 1)[0] in CLIENT_NOISE_LOGGERS:
+            return record.name, ""
+        key = (record.name, str(record.msg))
+        if key in CLIENT_NOISE:
+            return key
+        if record.name == "uvicorn.error" and str(record.msg).startswith("No supported WebSocket"):
+            return key
+        return None
+
+
 def configure_logging(level: str, role: str | None = None, fmt: str = "text") -> None:
     """`role` names the process in each line when several serve together (--workers N);
     `fmt`: "text" or "json" (--log-format)."""
     handler = logging.StreamHandler()
+    noise = ClientNoise()
+    for name in NOISY:
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, ClientNoise)]:
+            logger.removeFilter(old)  # configured again (tests, a child process)
+        logger.addFilter(noise)
     if fmt == "json":
         handler.setFormatter(JsonFormatter(role))
     else:

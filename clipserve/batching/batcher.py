@@ -53,7 +53,7 @@ class Batcher:
         self.kind = kind
         self.cache = cache
         self.max_batch_size = config.max_batch_size
-        self.admission = Admission(config.max_queue_size)
+        self.admission = Admission(config.max_queue_size, "images" if kind == "image" else "texts")
         self.queue = BatchQueue(
             on_expired=metrics.expired_items.labels(kind).inc,
             admitted=lambda: self.admission.used,

@@ -29,18 +29,21 @@ def is_encoded(array: np.ndarray) -> bool:
 
 
 class Admission:
-    """Counts images admitted and not yet computing, so decode backlog and queue stay bounded."""
+    """Counts items admitted and not yet computing, so decode backlog and queue stay bounded.
+    `items` names them in the refusal (a text tower's are texts)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, items: str = "images") -> None:
         self.capacity = capacity
         self.used = 0
+        self.items = items
 
     def fits(self, n: int) -> bool:
         return self.used + n <= self.capacity
 
     def full(self, retry_after_s: int = 1) -> Overloaded:
         return Overloaded(
-            f"server queue is full ({self.used} of {self.capacity} images waiting); retry later",
+            f"server queue is full ({self.used} of {self.capacity} {self.items} waiting); "
+            "retry later",
             retry_after_s,
         )
 

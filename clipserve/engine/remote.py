@@ -102,7 +102,7 @@ class FrontRuntime:
             tokenizer=open_clip.get_tokenizer(card["name"]),
             context_length=card["context_length"],
         )
-        decoder = ImageDecoder.from_limits(spec, config.limits)
+        decoder = ImageDecoder.from_limits(spec, config.limits, config.backend.jpeg_scaling)
         image_input = None
         if config.backend.decode == "gpu":  # the engine decodes JPEGs that fit a slot
             from clipserve.inference.gpu_decode import EncodedAtAdmission

@@ -16,6 +16,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
+from clipserve.errors import UnsupportedMediaType
 from clipserve.http.asgi import AsgiExchange, RequestHead, send_answer
 from clipserve.http.pipeline import Pipeline
 from clipserve.http.work import Call
@@ -47,11 +48,23 @@ class InferenceEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pipeline: Pipeline[Any] = scope["state"]["pipeline"]
         request = RequestHead(scope, receive)  # the head only: the exchange reads the body
+        encoding = request.headers.get("content-encoding")
+        if encoding is not None:
+            _identity(encoding)
         call = self.make_call(request, pipeline)  # 415, 404, 422... before the body is read
         exchange = AsgiExchange(scope, receive, request.headers)
         ctx, protocol, encoded = await pipeline.run(exchange, call)
         pipeline.record(ctx, protocol, len(encoded.content))
         await send_answer(send, encoded, ctx.timer.header())
+
+
+def _identity(encoding: str) -> None:
+    """415 for a compressed body: no door decompresses, and one read as sent would be parsed as
+    garbage (or, worse, happen to parse)."""
+    if encoding.strip().lower() != "identity":
+        raise UnsupportedMediaType(
+            f"Content-Encoding {encoding[:40]} is not supported; send the request uncompressed"
+        )
 
 
 def inference_route(path: str, make_call: CallFactory) -> Route:

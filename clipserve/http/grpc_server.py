@@ -9,8 +9,12 @@ call, ~6% of a call's CPU), the key check and the rate limit's first token
 the HTTP status the same error would have (so dashboards and alerts read one series), the
 access line, and each domain error as a gRPC status (`grpc_status.py`).
 
-ModelInfer is registered without a deserializer (`Methods.raw`): the pipeline reads its bytes,
-and the message is parsed in the decode pool after admission, as every HTTP body is.
+Every method is registered without grpc's deserializer, which would run before the guard: a
+message that does not parse would then be UNKNOWN with the exception's class in its text, a
+traceback in the log, and no count or access line. ModelInfer's bytes go to the pipeline
+(`Methods.raw`), which parses them in the decode pool after admission, as every HTTP body is;
+the other methods' small messages are parsed inside the guard (`Methods.unary`), where a
+broken one is InvalidBody (INVALID_ARGUMENT), as a broken ModelInferRequest is.
 """
 
 from __future__ import annotations
@@ -19,14 +23,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeAlias, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar, cast
 
 import grpc
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2
 
 from clipserve.config import ServerConfig
-from clipserve.errors import ClipserveError, StartupError, Unauthorized
+from clipserve.errors import ClipserveError, InvalidBody, StartupError, Unauthorized
 from clipserve.http.access import Access, charging
 from clipserve.http.grpc_status import grpc_error
 from clipserve.http.keys import Grant
@@ -154,8 +158,7 @@ class Methods:
         name = handler.__name__
         self._check(name, request.DESCRIPTOR.full_name, response.DESCRIPTOR.full_name)
         self.handlers[name] = grpc.unary_unary_rpc_method_handler(
-            self.guard.wrap(name, handler),
-            request_deserializer=request.FromString,
+            self.guard.wrap(name, _parsing(handler, request)),
             response_serializer=response.SerializeToString,
         )
 
@@ -173,6 +176,21 @@ class Methods:
         types = (method.input_type.full_name, method.output_type.full_name)
         if request is not None and (request, response) != types:
             raise TypeError(f"{name} takes {types[0]} and returns {types[1]}")
+
+
+def _parsing(handler: Handler[ReqM, RespM], request: type[ReqM]) -> Handler[bytes, RespM]:
+    """`handler` taking the serialized message, parsed where the guard sees its errors."""
+    what = request.DESCRIPTOR.name
+
+    async def parse(body: bytes, context: Context[bytes, RespM], request_id: str) -> RespM:
+        try:
+            message = request.FromString(body)
+        except DecodeError:
+            raise InvalidBody(f"malformed {what} (not a protobuf message)") from None
+        # The context's request type is only what a streaming call's read() would give.
+        return await handler(message, cast(Context[ReqM, RespM], context), request_id)
+
+    return parse
 
 
 class Servicer(Protocol):

@@ -31,6 +31,7 @@ def info_card(runtime: Serving, config: ServerConfig, names: ServedNames) -> dic
         "devices": runtime.devices,
         "self_check": runtime.self_check,
         "jpeg_decoder": jpeg_decoder(runtime, config),
+        "jpeg_scaling": runtime.decoder.jpeg_scaling,  # --jpeg-scaling, on the CPU path
         "batching": {
             "max_batch_size": b.max_batch_size,
             "max_queue_size": b.max_queue_size,

@@ -151,8 +151,15 @@ class SharedMemoryRegions:
             )
         return region
 
-    def read(self, ref: RegionRef) -> bytes:
-        """An input's bytes from its region."""
+    def read(self, ref: RegionRef, max_bytes: int) -> bytes:
+        """An input's bytes from its region: at most `max_bytes` (the caller's bound: what the
+        input's shape needs, or --max-body-bytes), refused before anything is opened or read,
+        as a region may be as large as --shm-max-bytes."""
+        if ref.byte_size > max_bytes:
+            raise PayloadTooLarge(
+                f"input in shared memory region {ref.name!r}: {ref.byte_size} bytes, more "
+                f"than the {max_bytes} it may hold"
+            )
         region = self._region(ref, "input")
         fd = self._open(region.key)
         try:

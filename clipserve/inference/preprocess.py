@@ -33,6 +33,10 @@ _RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.B
 # motorcycle_left (741x500 -> 371x250 -> 224) is 4.7 levels off, cosine 0.990; at 2, within 0.5
 # level on scikit-image's photos (tests/inference/test_jpeg.py, bench/results/jpeg-decoders.json).
 DRAFT_MARGIN = 2
+# --jpeg-scaling: parity is DRAFT_MARGIN; fast is Pillow draft's own margin (how the server
+# decoded before the fast path). At 640x480, which parity decodes in full, fast serves 1.5x the
+# JPEGs per core (bench/results/jpeg-decoders.json, round_6).
+FAST_DRAFT_MARGIN = 1
 # Pillow's reduce-then-resample shortcut; 3.0 is where its docs call results indistinguishable.
 REDUCING_GAP = 3.0
 # open_clip resizes the whole image, then crops. We do the same (pixel-exact) while the resized
@@ -282,14 +286,19 @@ class ImageDecoder:
         self.draft_margin = DRAFT_MARGIN if draft_margin is None else draft_margin
         self._jpeg = (fast_jpeg() if jpeg == "auto" else jpeg) if fast else None
         self.jpeg_decoder = self._jpeg.name if self._jpeg else PILLOW  # for /info and logs
+        self.jpeg_scaling = "fast" if self.draft_margin == FAST_DRAFT_MARGIN else "parity"
 
     @classmethod
-    def from_limits(cls, spec: PreprocessSpec, limits: LimitsConfig) -> ImageDecoder:
+    def from_limits(
+        cls, spec: PreprocessSpec, limits: LimitsConfig, jpeg_scaling: str = "parity"
+    ) -> ImageDecoder:
+        """The server's decoder: the input limits, and --jpeg-scaling's draft margin."""
         return cls(
             spec,
             limits.max_image_pixels,
             max_bytes=limits.max_decode_bytes,
             max_aspect=limits.max_image_aspect,
+            draft_margin=FAST_DRAFT_MARGIN if jpeg_scaling == "fast" else None,
         )
 
     def __call__(self, data: bytes) -> np.ndarray:

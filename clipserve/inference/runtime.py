@@ -259,7 +259,7 @@ def build_runtime(config: ServerConfig) -> Runtime:
     except BaseException:
         _close(executors, text_executors, threads, text_threads, wait=False)
         raise
-    decoder = ImageDecoder.from_limits(model.preprocess, config.limits)
+    decoder = ImageDecoder.from_limits(model.preprocess, config.limits, config.backend.jpeg_scaling)
     runtime = Runtime(
         config, model, spec.backend, executors, text_executors, threads, text_threads, decoder
     )

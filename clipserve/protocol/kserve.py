@@ -165,10 +165,12 @@ def parse_infer_request(
     truncate: bool = False,
     datatype: str | None = None,
     read_region: ReadRegion | None = None,
+    max_shared_bytes: int = 0,
 ) -> InferRequest:
     """Validate an inference request for the image or text model; `size` is the model's
     (height, width), `output` the FP32 output's name. Shapes and element counts are checked
-    before any data is copied."""
+    before any data is copied (or read from shared memory: a BYTES input there holds at most
+    `max_shared_bytes`, the door's --max-body-bytes)."""
     header, binary = split_body(body, header_length)
     _check_containers(header, max_items, size)
     try:
@@ -181,8 +183,8 @@ def parse_infer_request(
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidBody('"id" must be a string')
     outputs = _outputs(doc, output)
-    tensor = input_tensor(doc, binary, read_region)
-    suffix = "-json" if tensor.binary is None else "-shm" if tensor.shared else ""
+    tensor = input_tensor(doc, binary, read_region, max_shared_bytes)
+    suffix = "-shm" if tensor.shared is not None else "-json" if tensor.in_json else ""
     request = InferRequest("", outputs, request_id)
     return read_input(
         request,

@@ -28,7 +28,7 @@ from clipserve.protocol.kserve import (
     read_input,
     serialize_bytes,
 )
-from clipserve.protocol.kserve_inputs import InputTensor
+from clipserve.protocol.kserve_inputs import InputTensor, SharedInput
 from clipserve.protocol.shm import (
     BYTE_SIZE,
     OFFSET,
@@ -97,9 +97,12 @@ def parse_model_infer(
     output: str,
     truncate: bool = False,
     read_region: ReadRegion | None = None,
+    max_shared_bytes: int = 0,
 ) -> InferRequest:
     """Validate a serialized ModelInferRequest for the image or text model (the HTTP codec's
-    `parse_infer_request`, over gRPC); `datatype`: a per-kind model's one input datatype."""
+    `parse_infer_request`, over gRPC); `datatype`: a per-kind model's one input datatype. A
+    region is read only once its size is checked (a BYTES input's at most
+    `max_shared_bytes`, the door's --max-body-bytes)."""
     try:
         message = pb.ModelInferRequest.FromString(body)
     except DecodeError:
@@ -113,10 +116,12 @@ def parse_model_infer(
     params = parameters(spec.parameters)
     ref = region_ref(params, what)
     raw_count = len(message.raw_input_contents)
+    shared: SharedInput | None = None
+    raw = b""
     if ref is not None:
         if read_region is None:
             raise InvalidTensor(f"{what}: shared memory is not served here")
-        raw: bytes = read_region(ref)
+        shared = SharedInput(ref, read_region, max_shared_bytes)
         suffix = "-shm"
     elif raw_count:
         if raw_count != 1:
@@ -130,7 +135,9 @@ def parse_model_infer(
         raise InvalidBody(f"{what} has no data: neither raw_input_contents nor contents")
     shape = [int(d) for d in spec.shape]
     tensor = InputTensor(
-        {"name": spec.name, "datatype": spec.datatype, "shape": shape}, memoryview(raw)
+        {"name": spec.name, "datatype": spec.datatype, "shape": shape},
+        memoryview(raw) if shared is None else None,
+        shared,
     )
     request = InferRequest("", _outputs(message, output), message.id or None)
     return read_input(

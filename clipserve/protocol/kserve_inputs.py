@@ -4,6 +4,10 @@ An input's data comes as JSON `data` or, with Triton's binary tensor extension, 
 (`binary_data_size` of them) after the JSON header. A BYTES element in binary is a 4-byte
 little-endian length and the bytes; in JSON, where strings must be text, an encoded image is its
 base64. Shapes and element counts are checked before any data is copied.
+
+Or the data is in a registered shared-memory region (`SharedInput`), which a client may name
+whole (up to --shm-max-bytes, 1 GiB): it is read only once its byte count is checked, against
+what the shape needs (numeric inputs) or --max-body-bytes (BYTES), as if it came in the body.
 """
 
 from __future__ import annotations
@@ -22,11 +26,19 @@ from clipserve.errors import (
     InvalidImage,
     InvalidTensor,
     InvalidText,
+    PayloadTooLarge,
     TooManyTexts,
     with_item_index,
 )
-from clipserve.protocol.shm import ReadRegion, region_ref
-from clipserve.protocol.tensors import MAX_DIM, check_count, expected_layout, parse_tensor
+from clipserve.protocol.shm import BYTE_SIZE, ReadRegion, RegionRef, region_ref
+from clipserve.protocol.tensors import (
+    MAX_DIM,
+    TensorLayout,
+    check_count,
+    expected_layout,
+    tensor_layout,
+    tensor_view,
+)
 from clipserve.protocol.text import check_length
 from clipserve.protocol.urls import is_url, url_refused
 
@@ -38,12 +50,43 @@ LENGTH = struct.Struct("<I")  # a BYTES element's length prefix
 
 
 @dataclass(frozen=True)
+class SharedInput:
+    """An input's data in a shared-memory region, not read yet: its size is checked first."""
+
+    ref: RegionRef
+    read: ReadRegion
+    max_bytes: int  # a BYTES input's most (--max-body-bytes, as in a body)
+
+    def exactly(self, layout: TensorLayout) -> memoryview:
+        """A numeric input's bytes: as many as its shape needs, or none read at all."""
+        if self.ref.byte_size != layout.nbytes:
+            raise InvalidTensor(
+                f"shape {list(layout.dims)} of {layout.dtype} needs {layout.nbytes} bytes; "
+                f"got {self.ref.byte_size} ({BYTE_SIZE})"
+            )
+        return memoryview(self.read(self.ref, layout.nbytes))
+
+    def at_most(self) -> memoryview:
+        """A BYTES input's bytes, refused unread past --max-body-bytes."""
+        if self.ref.byte_size > self.max_bytes:
+            raise PayloadTooLarge(
+                f"{BYTE_SIZE} {self.ref.byte_size} exceeds {self.max_bytes} bytes "
+                "(--max-body-bytes)"
+            )
+        return memoryview(self.read(self.ref, self.max_bytes))
+
+
+@dataclass(frozen=True)
 class InputTensor:
     """The request's one input: its JSON description, and its bytes when sent in binary."""
 
     spec: dict[str, Any]  # name, datatype, shape, parameters; `data` when sent in JSON
-    binary: memoryview | None  # None: the data is JSON
-    shared: bool = False  # the data came from a shared-memory region
+    binary: memoryview | None  # None: the data is JSON, or in `shared`
+    shared: SharedInput | None = None  # the data is in a shared-memory region
+
+    @property
+    def in_json(self) -> bool:
+        return self.binary is None and self.shared is None
 
     @property
     def datatype(self) -> str:
@@ -60,10 +103,14 @@ class InputTensor:
 
 
 def input_tensor(
-    doc: dict[str, Any], binary: memoryview, read_region: ReadRegion | None = None
+    doc: dict[str, Any],
+    binary: memoryview,
+    read_region: ReadRegion | None = None,
+    max_shared_bytes: int = 0,
 ) -> InputTensor:
     """The request's one input, with the binary data after the JSON header if it names it,
-    or the bytes of the shared-memory region it names."""
+    or the shared-memory region it names (read later, once checked; a BYTES input's at most
+    `max_shared_bytes`: the door's --max-body-bytes)."""
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
         count = len(inputs) if isinstance(inputs, list) else 0
@@ -78,7 +125,11 @@ def input_tensor(
     if ref is not None:
         if read_region is None:
             raise InvalidTensor("shared memory is not served here; send the data in the body")
-        return InputTensor(spec, memoryview(read_region(ref)), shared=True)
+        if binary:
+            raise InvalidBody(
+                f"binary data after the JSON header, but input {spec['name']!r} is in shared memory"
+            )
+        return InputTensor(spec, None, SharedInput(ref, read_region, max_shared_bytes))
     size = params.get("binary_data_size")
     if size is None:
         if binary:
@@ -109,6 +160,15 @@ def _element_count(dims: list[int], max_items: int, tower: TowerKind) -> int:
         )
     check_count(n, max_items)
     return n
+
+
+def _bytes_data(tensor: InputTensor) -> memoryview:
+    """A BYTES input's binary data: the body's, or its region's (read once its element count
+    is checked)."""
+    if tensor.shared is not None:
+        return tensor.shared.at_most()
+    assert tensor.binary is not None
+    return tensor.binary
 
 
 def _binary_elements(raw: memoryview, n: int) -> list[bytes]:
@@ -149,8 +209,8 @@ def _json_strings(data: object, n: int) -> list[str]:
 def images_of(tensor: InputTensor, max_items: int) -> list[bytes]:
     """A BYTES input's encoded images."""
     n = _element_count(tensor.dims, max_items, "image")
-    if tensor.binary is not None:
-        return _binary_elements(tensor.binary, n)
+    if not tensor.in_json:
+        return _binary_elements(_bytes_data(tensor), n)
     images = []
     for index, item in enumerate(_json_strings(tensor.spec.get("data"), n)):
         if is_url(item):
@@ -169,11 +229,11 @@ def texts_of(
 ) -> list[str]:
     """A BYTES input's UTF-8 texts."""
     n = _element_count(tensor.dims, max_items, "text")
-    if tensor.binary is None:
+    if tensor.in_json:
         texts = _json_strings(tensor.spec.get("data"), n)
     else:
         texts = []
-        for index, element in enumerate(_binary_elements(tensor.binary, n)):
+        for index, element in enumerate(_binary_elements(_bytes_data(tensor), n)):
             try:
                 texts.append(element.decode("utf-8"))
             except UnicodeDecodeError:
@@ -210,16 +270,24 @@ def _json_values(data: object, datatype: str, dims: list[int]) -> memoryview:
         )
     if dtype == "uint8" and values.size and (values.min() < 0 or values.max() > 255):
         raise InvalidTensor('"data" of a UINT8 input must be within 0..255')
-    return memoryview(values.astype(dtype).tobytes())
+    # Out of float16's range becomes inf, which the tensor check refuses with a 400: numpy's
+    # warning about it would be a log line per bad request.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return memoryview(values.astype(dtype).tobytes())
 
 
 def array_of(tensor: InputTensor, size: tuple[int, int], max_items: int) -> np.ndarray:
     """A UINT8, FP16 or FP32 input as an array in the model's layout; `size` is its (height,
-    width). Binary data is not copied: the array is a view of the request body."""
+    width). Binary data is not copied: the array is a view of the request body (or of the
+    bytes read from the region, once the shape says how many)."""
     dims, datatype = tensor.dims, tensor.datatype
     _check_image_shape(datatype, dims, size)
     check_count(dims[0], max_items)
-    raw = tensor.binary
-    if raw is None:
+    layout = tensor_layout(NUMERIC[datatype], dims, size, max_items)
+    if tensor.shared is not None:
+        raw = tensor.shared.exactly(layout)
+    elif tensor.binary is not None:
+        raw = tensor.binary
+    else:
         raw = _json_values(tensor.spec.get("data"), datatype, dims)
-    return parse_tensor(NUMERIC[datatype], dims, raw, size, max_items)
+    return tensor_view(layout, raw)

@@ -27,8 +27,9 @@ class RegionRef:
     byte_size: int
 
 
-# How a codec reaches the regions: read a tensor's bytes, write an output's.
-ReadRegion = Callable[[RegionRef], bytes]
+# How a codec reaches the regions: read a tensor's bytes (at most the int: the caller's
+# bound, checked before reading), write an output's.
+ReadRegion = Callable[[RegionRef, int], bytes]
 WriteRegion = Callable[[RegionRef, bytes], None]
 
 

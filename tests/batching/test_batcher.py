@@ -12,7 +12,7 @@ import pytest
 
 from clipserve.backends.base import l2_normalise_rows
 from clipserve.backends.fake import FakeExecutor
-from clipserve.batching import Batcher
+from clipserve.batching import Batcher, TowerKind
 from clipserve.batching.cost import CostModel
 from clipserve.batching.queue import Admission
 from clipserve.config import BatchingConfig
@@ -442,3 +442,21 @@ def test_places_are_given_back_request_by_request_as_a_mixed_batch_starts() -> N
         assert batcher.admission.used == 0
 
     run(test, max_batch_size=4, latency_ms=100)
+
+
+@pytest.mark.parametrize(("kind", "items"), [("image", "images"), ("text", "texts")])
+def test_a_full_queue_names_what_it_holds(kind: TowerKind, items: str) -> None:
+    """The 503's message counts the tower's own items (a full text queue holds texts)."""
+
+    async def main() -> None:
+        config = BatchingConfig(max_batch_size=2, max_queue_size=2)
+        batcher = Batcher([FakeExecutor(SPEC_32, 16, "sim:0")], config, Metrics(), kind=kind)
+        batcher.start()
+        try:
+            batcher.admit(2)
+            with pytest.raises(Overloaded, match=rf"\(2 of 2 {items} waiting\)"):
+                batcher.admit(1)
+        finally:
+            await batcher.stop()
+
+    asyncio.run(main())

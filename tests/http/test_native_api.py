@@ -115,10 +115,22 @@ def test_real_model_batches_concurrent_requests(serve: Serve, tiny_model: Any) -
         ({"max_image_pixels": 10000}, None, PNG, "/embed", 413, "image_too_large"),
         ({}, b"abc", {"Content-Type": "text/plain"}, "/embed", 415, "unsupported_media_type"),
         ({}, b"abc", {}, "/embed", 415, "unsupported_media_type"),
+        ({}, None, {**PNG, "Content-Encoding": "gzip"}, "/embed", 415, "unsupported_media_type"),
         ({}, None, PNG, "/embed?normalize=perhaps", 422, "invalid_parameter"),
         ({}, None, {**PNG, "Accept": "text/html"}, "/embed", 406, "not_acceptable"),
     ],
-    ids=["garbage", "empty", "truncated", "body", "pixels", "media", "no-media", "param", "accept"],
+    ids=[
+        "garbage",
+        "empty",
+        "truncated",
+        "body",
+        "pixels",
+        "media",
+        "no-media",
+        "compressed",
+        "param",
+        "accept",
+    ],
 )
 def test_error_table(
     serve: Serve,

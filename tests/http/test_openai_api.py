@@ -227,6 +227,15 @@ def test_wire_level_shapes(server: RunningServer) -> None:
     assert missing.json()["error"]["type"] == "invalid_request_error"
     bad = httpx.post(server.url + "/v1/embeddings", content=b"{", timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_body"
+    # No door decompresses: a compressed body is refused before it is read, in OpenAI's shape.
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    zipped = httpx.post(server.url + "/v1/embeddings", content=body, headers=headers, timeout=30)
+    assert zipped.status_code == 415, zipped.text
+    assert zipped.json()["error"]["type"] == "invalid_request_error"
+    assert "Content-Encoding gzip" in zipped.json()["error"]["message"]
+    headers["Content-Encoding"] = "identity"
+    plain = httpx.post(server.url + "/v1/embeddings", content=body, headers=headers, timeout=30)
+    assert plain.status_code == 200, plain.text
 
 
 def test_overload_is_a_server_error_with_retry_after(serve: Serve) -> None:

@@ -5,15 +5,19 @@ outside its object."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
-from http.client import HTTPConnection
+from http.client import HTTPConnection, HTTPResponse
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
+import orjson
 import pytest
 import tritonclient.grpc as tg
 import tritonclient.http as th
@@ -21,6 +25,11 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from clipserve.engine.slots import shm_dir
+from clipserve.errors import PayloadTooLarge
+from clipserve.http.asgi import RequestHead
+from clipserve.http.doors.kserve import Infer
+from clipserve.http.shm_regions import SharedMemoryRegions
+from clipserve.protocol.shm import RegionRef
 from tests.engine.test_workers_served import FRONT_ENDS, Server
 from tests.helpers import (
     RunningServer,
@@ -276,3 +285,163 @@ def test_with_workers_a_region_registered_on_one_front_end_serves_every_one(
         served.stop()
     assert proc.returncode == 0, log.read_text()[-3000:]
     assert not list(shm_dir().glob(f"clipserve-{proc.pid}-*"))  # the table went with the slots
+
+
+@pytest.fixture
+def limited(serve: Serve) -> RunningServer:
+    """Regions of up to 128 MiB, bodies of at most 1 MiB, a 1 s deadline."""
+    return serve(
+        grpc_port=free_port(),
+        shm_max_bytes=128 << 20,
+        max_body_bytes=1 << 20,
+        request_timeout_s=1,
+    )
+
+
+def _shm_input(datatype: str, shape: list[int], byte_size: int) -> bytes:
+    params = {"shared_memory_region": "big", "shared_memory_byte_size": byte_size}
+    spec = {"name": "x", "datatype": datatype, "shape": shape, "parameters": params}
+    return orjson.dumps({"inputs": [spec]})
+
+
+def test_a_region_named_whole_is_refused_before_it_is_read(limited: RunningServer) -> None:
+    """A client names its whole 64 MiB region (past --max-body-bytes) for one 150 KB image:
+    refused from the shape (or the body limit, for BYTES) before the region is read. Its object
+    is removed once registered, so any read would fail to open it: the answers say none ran."""
+    http, grpc = _clients(limited)
+    key = f"big_{os.getpid()}"
+    path = Path("/dev/shm") / key
+    with path.open("wb") as f:
+        f.truncate(64 << 20)  # sparse: no memory
+    try:
+        http.register_system_shared_memory("big", "/" + key, 64 << 20)
+    finally:
+        path.unlink()
+    name = model_name(limited)
+
+    # The -uint8 model with a short header: the request once parsed on the event loop.
+    header = _shm_input("UINT8", [1, 224, 224, 3], 64 << 20)
+    answer = httpx.post(
+        f"{limited.url}/v2/models/{name}-uint8/infer",
+        content=header,
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
+    assert answer.status_code == 400, answer.text
+    assert "needs 150528 bytes; got 67108864" in answer.json()["error"]
+    answer = httpx.post(
+        f"{limited.url}/v2/models/{name}/infer", content=_shm_input("BYTES", [1], 64 << 20)
+    )
+    assert answer.status_code == 413, answer.text
+    assert answer.json() == {
+        "error": "shared_memory_byte_size 67108864 exceeds 1048576 bytes (--max-body-bytes)"
+    }
+
+    pixels = tg.InferInput("pixels", [1, 224, 224, 3], "UINT8")
+    pixels.set_shared_memory("big", 64 << 20)
+    with pytest.raises(InferenceServerException) as refused:
+        grpc.infer(name + "-uint8", [pixels])
+    assert "INVALID_ARGUMENT" in str(refused.value.status())
+    assert "needs 150528 bytes; got 67108864" in refused.value.message()
+    images = tg.InferInput("image", [1], "BYTES")
+    images.set_shared_memory("big", 64 << 20)
+    with pytest.raises(InferenceServerException) as refused:
+        grpc.infer(name, [images])
+    assert "RESOURCE_EXHAUSTED" in str(refused.value.status())
+    assert "--max-body-bytes" in refused.value.message()
+    http.close()
+    grpc.close()
+
+
+def test_a_read_past_its_cap_is_refused_before_the_object_is_opened() -> None:
+    regions = SharedMemoryRegions(4, 1 << 20)
+    key = f"cap_{os.getpid()}"
+    path = Path("/dev/shm") / key
+    path.write_bytes(bytes(range(256)) * 16)
+    try:
+        regions.register("r", "/" + key, 0, 4096)
+        ref = RegionRef("r", 0, 4096)
+        assert regions.read(ref, 4096) == path.read_bytes()
+    finally:
+        path.unlink()
+    with pytest.raises(PayloadTooLarge, match="more than the 4095 it may hold"):
+        regions.read(ref, 4095)
+
+
+def _call(server: RunningServer, model: str, headers: dict[str, str]) -> Infer:
+    """The HTTP door's call for an inference request with these headers (its body unread)."""
+
+    async def receive() -> Any:
+        raise AssertionError("the call is made before the body is read")
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": f"/v2/models/{model}/infer",
+        "path_params": {"name": model},
+        "query_string": b"",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "state": {"pipeline": server.state},
+    }
+    return Infer.of(RequestHead(scope, receive), server.state)
+
+
+def test_only_binary_data_after_a_short_header_is_parsed_on_the_event_loop(
+    server: RunningServer,
+) -> None:
+    """A body that is all header (an input in shared memory: a read of up to 64 crops) is
+    parsed in the pool; only a view of binary data after a short header stays inline."""
+    model = model_name(server) + "-uint8"
+    ihcl = "Inference-Header-Content-Length"
+    binary = {ihcl: "120", "Content-Length": str(120 + 224 * 224 * 3)}
+    assert _call(server, model, binary).inline
+    assert not _call(server, model, {ihcl: "120", "Content-Length": "120"}).inline  # shm
+    assert not _call(server, model, {ihcl: "120", "Transfer-Encoding": "chunked"}).inline
+    assert not _call(server, model, {ihcl: "5000", "Content-Length": "200000"}).inline
+    assert not _call(server, model_name(server) + "-fp32", binary).inline
+
+
+def _register(
+    server: RunningServer, head: bytes, body: bytes
+) -> tuple[socket.socket, HTTPResponse, Any]:
+    """A raw register request (head lines, then `body`), its answer, and the socket (which
+    times out after 5 s; closed when the test ends)."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.sendall(b"POST /v2/systemsharedmemory/region/a/register HTTP/1.1\r\nHost: t\r\n")
+    try:
+        sock.sendall(head + b"\r\n" + body)
+        response = HTTPResponse(sock)
+        response.begin()
+        return sock, response, json.loads(response.read())
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _closed(sock: socket.socket) -> bool:
+    """The server closed the connection once its answer was read (EOF or reset)."""
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("deadline", "took"),
+    [
+        (b"", "1 s (--request-timeout-s)"),
+        (b"X-Request-Timeout-Ms: 300\r\n", "0.3 s (X-Request-Timeout-Ms)"),
+    ],
+)
+def test_a_register_body_that_stalls_gets_a_504_and_its_connection_closes(
+    limited: RunningServer, deadline: bytes, took: str
+) -> None:
+    sock, response, error = _register(limited, deadline + b"Content-Length: 4000\r\n", b'{"key"')
+    with sock:
+        assert response.status == 504, error
+        assert error["error"].startswith(f"request took longer than {took}"), error
+        assert response.getheader("connection") == "close"
+        assert _closed(sock)
+    # A body declared past the register request's few bytes: refused at once.
+    sock, response, error = _register(limited, b"Content-Length: 100000\r\n", b"")
+    with sock:
+        assert response.status == 413 and "a register request's most" in error["error"], error

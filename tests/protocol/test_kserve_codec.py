@@ -4,6 +4,7 @@ responses parsed back by tritonclient's own InferResult."""
 from __future__ import annotations
 
 import base64
+import warnings
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from clipserve.errors import (
     InvalidImage,
     InvalidTensor,
     InvalidText,
+    PayloadTooLarge,
     TextTooLong,
     TooManyItems,
     TooManyTexts,
@@ -24,6 +26,7 @@ from clipserve.errors import (
 from clipserve.http.names import KServeModel
 from clipserve.protocol import kserve
 from clipserve.protocol.kserve import RequestedOutput, parse_infer_request
+from clipserve.protocol.shm import RegionRef
 from tests.helpers import bytes_input
 
 SIZE = (224, 224)
@@ -355,3 +358,61 @@ def test_container_floods_are_refused_before_parsing() -> None:
         assert tracemalloc.get_traced_memory()[1] < 16 << 20
     finally:
         tracemalloc.stop()
+
+
+class Region:
+    """A region's bytes, and each read the codec asks of it (its ref and its cap)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.reads: list[tuple[RegionRef, int]] = []
+
+    def read(self, ref: RegionRef, max_bytes: int) -> bytes:
+        self.reads.append((ref, max_bytes))
+        return self.data[ref.offset : ref.offset + ref.byte_size]
+
+
+def shm_body(datatype: str, shape: list[int], byte_size: int) -> bytes:
+    params = {"shared_memory_region": "r", "shared_memory_byte_size": byte_size}
+    spec = {"name": "x", "datatype": datatype, "shape": shape, "parameters": params}
+    return orjson.dumps({"inputs": [spec]})
+
+
+def test_a_region_is_read_only_once_its_size_fits_the_shape_or_the_body_limit() -> None:
+    pixels = np.arange(2 * 224 * 224 * 3, dtype=np.uint8).reshape(2, 224, 224, 3)
+    region = Region(pixels.tobytes() + bytes(1 << 20))  # the client names its whole region
+    shared = {"read_region": region.read, "max_shared_bytes": 4096}
+    whole = shm_body("UINT8", [2, 224, 224, 3], len(region.data))
+    with pytest.raises(InvalidTensor, match=r"needs 301056 bytes; got 1349632"):
+        parse(whole, None, **shared)
+    assert region.reads == []  # refused unread: a region may be 1 GiB
+    fitting = shm_body("UINT8", [2, 224, 224, 3], pixels.nbytes)
+    request = parse(fitting, None, **shared)
+    assert request.protocol == "kserve-uint8-shm"
+    np.testing.assert_array_equal(request.tensor, pixels)
+    assert region.reads == [(RegionRef("r", 0, pixels.nbytes), pixels.nbytes)]
+
+    # BYTES: no shape says how many bytes; at most --max-body-bytes, as in a body.
+    region = Region(kserve.serialize_bytes(JPEGS) + bytes(8192))
+    shared["read_region"] = region.read
+    with pytest.raises(PayloadTooLarge, match=r"exceeds 4096 bytes \(--max-body-bytes\)"):
+        parse(shm_body("BYTES", [2], len(region.data)), None, **shared)
+    assert region.reads == []
+    encoded = len(kserve.serialize_bytes(JPEGS))
+    assert parse(shm_body("BYTES", [2], encoded), None, **shared).images == JPEGS
+    assert region.reads == [(RegionRef("r", 0, encoded), 4096)]
+    # Binary data after the header as well: which is the input? Refused, nothing read.
+    body = shm_body("BYTES", [2], encoded)
+    with pytest.raises(InvalidBody, match="is in shared memory"):
+        parse(body + b"data", str(len(body)), **shared)
+    assert len(region.reads) == 1
+
+
+def test_fp16_json_out_of_range_is_refused_without_a_numpy_warning() -> None:
+    """70000 is past float16's range: a 400, and no RuntimeWarning (a log line per request)."""
+    values = [70000.0] + [0.0] * (3 * 224 * 224 - 1)
+    doc = {"inputs": [{"name": "x", "datatype": "FP16", "shape": [1, 3, 224, 224], "data": values}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(InvalidTensor):
+            parse(orjson.dumps(doc), None)

@@ -129,10 +129,11 @@ def test_shared_memory_references_are_read_and_written_through_the_callables() -
     with pytest.raises(errors.InvalidTensor, match="shared memory is not served"):
         parse(message([inp], [out]))
 
-    def read(ref: RegionRef) -> bytes:
+    def read(ref: RegionRef, max_bytes: int) -> bytes:
+        assert ref.byte_size <= max_bytes
         return regions[ref.name][ref.offset : ref.offset + ref.byte_size]
 
-    request = parse(message([inp], [out]), read_region=read)
+    request = parse(message([inp], [out]), read_region=read, max_shared_bytes=1024)
     assert request.images == JPEGS and request.protocol == "grpc-bytes-shm"
     assert request.outputs[0].region == RegionRef("out", 0, 256)
     written: dict[str, bytes] = {}
@@ -149,6 +150,27 @@ def test_shared_memory_references_are_read_and_written_through_the_callables() -
     assert written == {"out": embeddings.tobytes()}
     assert list(answer.raw_output_contents) == [b""]  # one entry per output, as Triton
     assert answer.outputs[0].parameters["shared_memory_region"].string_param == "out"
+
+
+def test_a_region_is_read_only_once_its_size_fits_the_shape_or_the_body_limit() -> None:
+    reads: list[tuple[RegionRef, int]] = []
+
+    def read(ref: RegionRef, max_bytes: int) -> bytes:
+        reads.append((ref, max_bytes))
+        return bytes(ref.byte_size)
+
+    pixels = tg.InferInput("pixels", [1, 224, 224, 3], "UINT8")
+    pixels.set_shared_memory("in", 1 << 30)  # the whole region, not the shape's 150528 bytes
+    with pytest.raises(errors.InvalidTensor, match="needs 150528 bytes; got 1073741824"):
+        parse(message([pixels]), read_region=read, max_shared_bytes=4096)
+    images = tg.InferInput("image", [1], "BYTES")
+    images.set_shared_memory("in", 4097)
+    with pytest.raises(errors.PayloadTooLarge, match="--max-body-bytes"):
+        parse(message([images]), read_region=read, max_shared_bytes=4096)
+    assert reads == []
+    pixels.set_shared_memory("in", 224 * 224 * 3)
+    assert parse(message([pixels]), read_region=read).protocol == "grpc-uint8-shm"
+    assert reads == [(RegionRef("in", 0, 224 * 224 * 3), 224 * 224 * 3)]
 
 
 def test_the_answer_holds_one_raw_entry_per_output_in_order() -> None:

@@ -20,7 +20,6 @@ from starlette.routing import BaseRoute, Route
 
 from clipserve.batching.tower import TowerKind
 from clipserve.config import LimitsConfig
-from clipserve.errors import UnsupportedMediaType
 from clipserve.http import health, stats
 from clipserve.http.door import inference_route
 from clipserve.http.doors.kserve_shm import shared_memory_routes
@@ -52,9 +51,20 @@ def _model(request: Request) -> tuple[str, KServeModel]:
 INLINE_HEADER_BYTES = 4096  # a binary request's JSON header short enough to parse inline
 
 
-def _short(header_length: str | None) -> bool:
-    raw = (header_length or "").strip()
-    return raw.isascii() and raw.isdigit() and len(raw) <= 19 and int(raw) <= INLINE_HEADER_BYTES
+def _length(raw: str | None) -> int | None:
+    raw = (raw or "").strip()
+    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 19 else None
+
+
+def _inline(header_length: str | None, content_length: str | None) -> bool:
+    """A short JSON header and binary data after it (the body is longer): parsing is a few
+    checks and a view. A body that is all header (JSON data, or an input in shared memory,
+    whose read is a copy of up to max items x 150 KB) goes to the pool; an input in shared
+    memory with binary data after its header is refused before any read."""
+    header, body = _length(header_length), _length(content_length)
+    if header is None or body is None:  # chunked: how much follows the header is unknown
+        return False
+    return header <= INLINE_HEADER_BYTES and body > header
 
 
 def work_of(
@@ -92,16 +102,14 @@ class Infer:
     @classmethod
     def of(cls, request: Request, pipeline: Pipeline[Any]) -> Infer:
         name, model = _model(request)
-        encoding = request.headers.get("content-encoding", "identity").strip().lower()
-        if encoding != "identity":
-            raise UnsupportedMediaType(
-                f"Content-Encoding {encoding[:40]} is not supported; send the request uncompressed"
-            )
+        # Content-Encoding: refused for every inference route before this (http/door.py).
         header_length = request.headers.get(codec.HEADER_LENGTH)
         limits, output = pipeline.config.limits, pipeline.names.output
         # The UINT8 model's binary request: a short JSON header and a view of the tensor, less
-        # work than a hop to the pool. Any other is parsed there (JSON data, range checks).
-        inline = model.datatype == "UINT8" and _short(header_length)
+        # work than a hop to the pool. Any other is parsed there (JSON data, range checks,
+        # reads from shared memory).
+        content_length = request.headers.get("content-length")
+        inline = model.datatype == "UINT8" and _inline(header_length, content_length)
         regions = pipeline.regions
         return cls(pipeline.runtime, name, model, header_length, limits, output, regions, inline)
 
@@ -117,6 +125,7 @@ class Infer:
             truncate=self.limits.truncate_text,
             datatype=self.model.datatype,
             read_region=self.regions.read,
+            max_shared_bytes=self.limits.max_body_bytes,
         )
         return work_of(parsed, self.tower, self.runtime, self.limits)
 

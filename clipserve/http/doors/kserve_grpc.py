@@ -139,6 +139,7 @@ class GrpcInfer:
             output=self.output,
             truncate=self.limits.truncate_text,
             read_region=self.read_region,
+            max_shared_bytes=self.limits.max_body_bytes,
         )
         return work_of(parsed, self.tower, self.runtime, self.limits)
 

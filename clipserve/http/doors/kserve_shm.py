@@ -5,6 +5,7 @@ perf_analyzer calls those even in system mode."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import asdict
 
@@ -13,8 +14,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from clipserve.errors import InvalidBody, Unsupported
+from clipserve.errors import InvalidBody, PayloadTooLarge, RequestTimeout, Unsupported
 from clipserve.http.pipeline import pipeline_of
+from clipserve.http.request import request_timeout
 from clipserve.protocol.media import JSON
 
 SYSTEM = "/v2/systemsharedmemory"
@@ -28,19 +30,42 @@ def _name(request: Request) -> str | None:
     return name
 
 
-async def register(request: Request) -> Response:
+def _too_large(declared: str | None = None) -> PayloadTooLarge:
+    size = "body" if declared is None else f"body of {declared} bytes"
+    return PayloadTooLarge(f"{size} exceeds {MAX_REGISTER_BODY}, a register request's most")
+
+
+async def _body(request: Request, server_s: float) -> bytes:
+    """The register request's small body, within the deadline of every body (--request-timeout-s,
+    or a shorter X-Request-Timeout-Ms): a client that stalls mid-body gets a 504, as on /embed,
+    and its connection closes (http/cycle.py's EarlyAnswerCycle), so it holds no connection."""
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and int(declared[:20]) > MAX_REGISTER_BODY:
+        raise _too_large(declared[:20])
+    timeout_s = request_timeout(request.headers, server_s)
     body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_REGISTER_BODY:
-            raise InvalidBody(f"a register request is at most {MAX_REGISTER_BODY} bytes")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_REGISTER_BODY:
+                    raise _too_large()
+    except TimeoutError:
+        limit = "X-Request-Timeout-Ms" if timeout_s < server_s else "--request-timeout-s"
+        raise RequestTimeout(f"request took longer than {timeout_s:g} s ({limit})") from None
+    return body
+
+
+async def register(request: Request) -> Response:
+    pipeline = pipeline_of(request)
+    body = await _body(request, pipeline.config.limits.request_timeout_s)
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as e:
         raise InvalidBody(f"malformed JSON ({e})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("key"), str):
         raise InvalidBody('expected {"key": "/name", "offset": 0, "byte_size": N}')
-    regions = pipeline_of(request).regions
+    regions = pipeline.regions
     name = _name(request) or ""
     regions.register(name, doc["key"], doc.get("offset", 0), doc.get("byte_size"))
     return Response(status_code=200)
