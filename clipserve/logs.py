@@ -26,11 +26,12 @@ CLIENT_NOISE = {
     ("uvicorn.error", "Unsupported upgrade request."),
     ("uvicorn.error", "Exceeded concurrency limit."),
 }
-# A malformed multipart body is refused with a 400; its parser's own warnings say no more.
-CLIENT_NOISE_LOGGERS = ("python_multipart", "multipart")
-# The loggers those records are made on (a logger's filters see only its own records, whatever
-# handlers uvicorn's logging config installs).
-NOISY = ("uvicorn.error", "python_multipart.multipart", "python_multipart.decoders")
+# A malformed multipart body is refused with a 400; the parser's own warnings (python-multipart
+# logs from this one module) say no more.
+MULTIPART_LOGGER = "python_multipart.multipart"
+# The loggers those records are made on: a logger's filters see its own records, whatever
+# handlers uvicorn's logging config installs.
+NOISY = ("uvicorn.error", MULTIPART_LOGGER)
 NOISE_INTERVAL_S = 10.0
 
 
@@ -93,7 +94,7 @@ class ClientNoise(logging.Filter):
 
     @staticmethod
     def _key(record: logging.LogRecord) -> tuple[str, str] | None:
-        if record.name.split(".", 1)[0] in CLIENT_NOISE_LOGGERS:
+        if record.name == MULTIPART_LOGGER:
             return record.name, ""
         key = (record.name, str(record.msg))
         if key in CLIENT_NOISE:

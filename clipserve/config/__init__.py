@@ -21,6 +21,7 @@ from clipserve.config.loading import (
 from clipserve.config.schema import (
     DECODERS,
     ENV_PREFIX,
+    JPEG_SCALINGS,
     LOG_FORMATS,
     LOG_LEVELS,
     PRECISIONS,
@@ -44,6 +45,7 @@ __all__ = [
     "ENV_PREFIX",
     "GPU_MAX_BATCH_SIZE",
     "GPU_QUEUE_BATCHES",
+    "JPEG_SCALINGS",
     "LOG_FORMATS",
     "LOG_LEVELS",
     "PRECISIONS",

@@ -48,9 +48,9 @@ class InferenceEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pipeline: Pipeline[Any] = scope["state"]["pipeline"]
         request = RequestHead(scope, receive)  # the head only: the exchange reads the body
-        encoding = request.headers.get("content-encoding")
-        if encoding is not None:
-            _identity(encoding)
+        if "content-encoding" in request.headers:  # each of them: a second may say gzip
+            for encoding in request.headers.getlist("content-encoding"):
+                _identity(encoding)
         call = self.make_call(request, pipeline)  # 415, 404, 422... before the body is read
         exchange = AsgiExchange(scope, receive, request.headers)
         ctx, protocol, encoded = await pipeline.run(exchange, call)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
-from clipserve.config import LimitsConfig
+from clipserve.config import JPEG_SCALINGS, LimitsConfig
 from clipserve.errors import ImageTooLarge, InvalidImage, StartupError
 from clipserve.inference.jpeg import PILLOW, FastJpeg, fast_jpeg, orient
 from clipserve.inference.jpeg_header import JpegHeader, coefficient_bytes, drafted_size, read_header
@@ -34,7 +34,7 @@ _RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.B
 # level on scikit-image's photos (tests/inference/test_jpeg.py, bench/results/jpeg-decoders.json).
 DRAFT_MARGIN = 2
 # --jpeg-scaling: parity is DRAFT_MARGIN; fast is Pillow draft's own margin (how the server
-# decoded before the fast path). At 640x480, which parity decodes in full, fast serves 1.5x the
+# decoded before the fast path). At 640x480, which parity decodes in full, fast serves ~1.5x the
 # JPEGs per core (bench/results/jpeg-decoders.json, round_6).
 FAST_DRAFT_MARGIN = 1
 # Pillow's reduce-then-resample shortcut; 3.0 is where its docs call results indistinguishable.
@@ -274,6 +274,7 @@ class ImageDecoder:
         jpeg: FastJpeg | Literal["auto"] | None = "auto",
         draft_margin: int | None = None,
         read_headers: bool = True,
+        jpeg_scaling: str = "parity",
     ) -> None:
         self.spec = spec
         self.max_pixels = max_pixels
@@ -283,10 +284,14 @@ class ImageDecoder:
         self.read_headers = read_headers
         self._resample = _RESAMPLE[spec.interpolation]
         # Read here, not bound as the default: benchmarks set the module's value per process.
-        self.draft_margin = DRAFT_MARGIN if draft_margin is None else draft_margin
+        if jpeg_scaling not in JPEG_SCALINGS:
+            raise ValueError(f"jpeg_scaling must be one of {JPEG_SCALINGS}, not {jpeg_scaling!r}")
+        self.jpeg_scaling = jpeg_scaling  # --jpeg-scaling, for /info
+        if draft_margin is None:
+            draft_margin = FAST_DRAFT_MARGIN if jpeg_scaling == "fast" else DRAFT_MARGIN
+        self.draft_margin = draft_margin
         self._jpeg = (fast_jpeg() if jpeg == "auto" else jpeg) if fast else None
         self.jpeg_decoder = self._jpeg.name if self._jpeg else PILLOW  # for /info and logs
-        self.jpeg_scaling = "fast" if self.draft_margin == FAST_DRAFT_MARGIN else "parity"
 
     @classmethod
     def from_limits(
@@ -298,7 +303,7 @@ class ImageDecoder:
             limits.max_image_pixels,
             max_bytes=limits.max_decode_bytes,
             max_aspect=limits.max_image_aspect,
-            draft_margin=FAST_DRAFT_MARGIN if jpeg_scaling == "fast" else None,
+            jpeg_scaling=jpeg_scaling,
         )
 
     def __call__(self, data: bytes) -> np.ndarray:

@@ -183,7 +183,7 @@ def parse_infer_request(
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidBody('"id" must be a string')
     outputs = _outputs(doc, output)
-    tensor = input_tensor(doc, binary, read_region, max_shared_bytes)
+    tensor = input_tensor(doc, binary, read_region, max_shared_bytes=max_shared_bytes)
     suffix = "-shm" if tensor.shared is not None else "-json" if tensor.in_json else ""
     request = InferRequest("", outputs, request_id)
     return read_input(

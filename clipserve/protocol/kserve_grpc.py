@@ -121,6 +121,8 @@ def parse_model_infer(
     if ref is not None:
         if read_region is None:
             raise InvalidTensor(f"{what}: shared memory is not served here")
+        if raw_count or spec.HasField("contents"):  # as over HTTP: which data would it be?
+            raise InvalidBody(f"{what} is in shared memory, but the request carries its data too")
         shared = SharedInput(ref, read_region, max_shared_bytes)
         suffix = "-shm"
     elif raw_count:

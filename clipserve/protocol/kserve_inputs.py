@@ -55,7 +55,11 @@ class SharedInput:
 
     ref: RegionRef
     read: ReadRegion
-    max_bytes: int  # a BYTES input's most (--max-body-bytes, as in a body)
+    max_bytes: int  # the most read for one input (--max-body-bytes, as in a body)
+
+    def __post_init__(self) -> None:
+        if self.max_bytes <= 0:  # a door that reads regions says how much it takes
+            raise ValueError("a shared-memory reader needs its cap (--max-body-bytes)")
 
     def exactly(self, layout: TensorLayout) -> memoryview:
         """A numeric input's bytes: as many as its shape needs, or none read at all."""
@@ -64,16 +68,20 @@ class SharedInput:
                 f"shape {list(layout.dims)} of {layout.dtype} needs {layout.nbytes} bytes; "
                 f"got {self.ref.byte_size} ({BYTE_SIZE})"
             )
+        self._within(layout.nbytes)
         return memoryview(self.read(self.ref, layout.nbytes))
 
     def at_most(self) -> memoryview:
         """A BYTES input's bytes, refused unread past --max-body-bytes."""
-        if self.ref.byte_size > self.max_bytes:
-            raise PayloadTooLarge(
-                f"{BYTE_SIZE} {self.ref.byte_size} exceeds {self.max_bytes} bytes "
-                "(--max-body-bytes)"
-            )
+        self._within(self.ref.byte_size)
         return memoryview(self.read(self.ref, self.max_bytes))
+
+    def _within(self, size: int) -> None:
+        """No more than a body may hold: the region is read into this process's memory."""
+        if size > self.max_bytes:
+            raise PayloadTooLarge(
+                f"{BYTE_SIZE} {size} exceeds {self.max_bytes} bytes (--max-body-bytes)"
+            )
 
 
 @dataclass(frozen=True)
@@ -106,10 +114,11 @@ def input_tensor(
     doc: dict[str, Any],
     binary: memoryview,
     read_region: ReadRegion | None = None,
-    max_shared_bytes: int = 0,
+    *,
+    max_shared_bytes: int,
 ) -> InputTensor:
     """The request's one input, with the binary data after the JSON header if it names it,
-    or the shared-memory region it names (read later, once checked; a BYTES input's at most
+    or the shared-memory region it names (read later, once checked, and at most
     `max_shared_bytes`: the door's --max-body-bytes)."""
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):

@@ -294,3 +294,16 @@ def test_info_health_and_metrics(serve: Serve) -> None:
         "clipserve_items_total",
     ]:
         assert name in text, name
+
+
+def test_every_content_encoding_header_is_checked(module_server: RunningServer) -> None:
+    """`identity` first does not let a second, compressed one through (the map keeps the first)."""
+    headers = [
+        ("content-type", "image/png"),
+        ("content-encoding", "identity"),
+        ("content-encoding", "gzip"),
+    ]
+    r = httpx.post(module_server.url + "/embed", content=marked_png(1), headers=headers)
+    assert r.status_code == 415 and "Content-Encoding gzip" in r.json()["error"]["message"]
+    plain = httpx.post(module_server.url + "/embed", content=marked_png(1), headers=headers[:2])
+    assert plain.status_code == 200, plain.text

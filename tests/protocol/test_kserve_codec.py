@@ -385,9 +385,11 @@ def test_a_region_is_read_only_once_its_size_fits_the_shape_or_the_body_limit() 
     whole = shm_body("UINT8", [2, 224, 224, 3], len(region.data))
     with pytest.raises(InvalidTensor, match=r"needs 301056 bytes; got 1349632"):
         parse(whole, None, **shared)
-    assert region.reads == []  # refused unread: a region may be 1 GiB
     fitting = shm_body("UINT8", [2, 224, 224, 3], pixels.nbytes)
-    request = parse(fitting, None, **shared)
+    with pytest.raises(PayloadTooLarge, match=r"301056 exceeds 4096 bytes"):  # as a body would
+        parse(fitting, None, **shared)
+    assert region.reads == []  # refused unread: a region may be 1 GiB
+    request = parse(fitting, None, **{**shared, "max_shared_bytes": 1 << 20})
     assert request.protocol == "kserve-uint8-shm"
     np.testing.assert_array_equal(request.tensor, pixels)
     assert region.reads == [(RegionRef("r", 0, pixels.nbytes), pixels.nbytes)]

@@ -167,10 +167,25 @@ def test_a_region_is_read_only_once_its_size_fits_the_shape_or_the_body_limit() 
     images.set_shared_memory("in", 4097)
     with pytest.raises(errors.PayloadTooLarge, match="--max-body-bytes"):
         parse(message([images]), read_region=read, max_shared_bytes=4096)
+    pixels.set_shared_memory("in", 224 * 224 * 3)  # the shape's size, but past the body limit
+    with pytest.raises(errors.PayloadTooLarge, match="150528 exceeds 4096"):
+        parse(message([pixels]), read_region=read, max_shared_bytes=4096)
     assert reads == []
-    pixels.set_shared_memory("in", 224 * 224 * 3)
-    assert parse(message([pixels]), read_region=read).protocol == "grpc-uint8-shm"
+    assert parse(message([pixels]), read_region=read, max_shared_bytes=1 << 20).protocol == (
+        "grpc-uint8-shm"
+    )
     assert reads == [(RegionRef("in", 0, 224 * 224 * 3), 224 * 224 * 3)]
+
+
+def test_an_input_in_shared_memory_carries_no_data_of_its_own() -> None:
+    """As over HTTP: data in the message too would leave which one counts unsaid."""
+    pixels = tg.InferInput("pixels", [1, 224, 224, 3], "UINT8")
+    pixels.set_data_from_numpy(np.zeros((1, 224, 224, 3), np.uint8))
+    pixels.set_shared_memory("in", 224 * 224 * 3)
+    body = pb.ModelInferRequest.FromString(message([pixels]))
+    body.raw_input_contents.append(bytes(224 * 224 * 3))
+    with pytest.raises(errors.InvalidBody, match="in shared memory, but the request carries"):
+        parse(body.SerializeToString(), read_region=lambda ref, n: b"", max_shared_bytes=1 << 20)
 
 
 def test_the_answer_holds_one_raw_entry_per_output_in_order() -> None:

@@ -40,8 +40,10 @@ async def _body(request: Request, server_s: float) -> bytes:
     or a shorter X-Request-Timeout-Ms): a client that stalls mid-body gets a 504, as on /embed,
     and its connection closes (http/cycle.py's EarlyAnswerCycle), so it holds no connection."""
     declared = request.headers.get("content-length", "")
-    if declared.isascii() and declared.isdigit() and int(declared[:20]) > MAX_REGISTER_BODY:
-        raise _too_large(declared[:20])
+    digits = declared.isascii() and declared.isdigit()
+    # The length first: int() refuses strings of over 4300 digits (the parser does too).
+    if digits and (len(declared) > 20 or int(declared) > MAX_REGISTER_BODY):
+        raise _too_large(declared if len(declared) <= 20 else f"{declared[:20]}...")
     timeout_s = request_timeout(request.headers, server_s)
     body = b""
     try:
