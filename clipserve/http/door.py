@@ -53,8 +53,7 @@ class InferenceEndpoint:
                 _identity(encoding)
         call = self.make_call(request, pipeline)  # 415, 404, 422... before the body is read
         exchange = AsgiExchange(scope, receive, request.headers)
-        ctx, protocol, encoded = await pipeline.run(exchange, call)
-        pipeline.record(ctx, protocol, len(encoded.content))
+        ctx, encoded = await pipeline.run(exchange, call)
         await send_answer(send, encoded, ctx.timer.header())
 
 

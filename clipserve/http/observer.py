@@ -11,6 +11,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clipserve import errors
@@ -77,6 +78,7 @@ class RequestObserver:
         self.counted = Children(metrics.requests)
         self.timed = Children(metrics.request_duration)
         self.labels: dict[str, str] = {}  # a route's path -> its label
+        self.answered: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -134,9 +136,15 @@ class RequestObserver:
         finally:
             route = self._label(getattr(scope.get("route"), "path", "other"))
             elapsed = time.perf_counter() - t0
+            children = self.answered.get((route, status))
+            if children is None:  # routes and statuses are small sets: so is this table
+                children = self.answered[route, status] = (
+                    self.counted(route, str(status)),
+                    self.timed(route),
+                )
             with self.deferred as d:
-                d.add(self.counted(route, str(status)))
-                d.observe(self.timed(route), elapsed)
+                d.add_all(((children[0], 1.0),))
+                d.observe_all(((children[1], elapsed),))
             if span is not None:
                 span.finish(scope, route, status)
             if access_log.isEnabledFor(logging.INFO):

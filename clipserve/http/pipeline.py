@@ -28,7 +28,7 @@ from clipserve.config import ServerConfig
 from clipserve.errors import ClipserveError, RequestTimeout, with_item_index
 from clipserve.http import health
 from clipserve.http.cache_keys import CacheKeys, Found
-from clipserve.http.children import Children
+from clipserve.http.counted import RequestMetrics
 from clipserve.http.exchange import Exchange
 from clipserve.http.fetch import ImageFetcher
 from clipserve.http.names import ServedNames
@@ -103,7 +103,7 @@ class Pipeline(Generic[TicketT]):
         self.names = ServedNames.of(config.model, model.name, model.identity)
         self.towers: dict[TowerKind, Tower[TicketT]] = {"image": image, "text": text}
         self.metrics = metrics
-        self.counted = _Counted(metrics)
+        self.counted = RequestMetrics(metrics)  # an answered request's metrics
         # Asked per request where the cache is on: a runtime-checkable Protocol's isinstance
         # costs ~10 µs, so each tower is checked once.
         self._caching = {id(t) for t in self.towers.values() if isinstance(t, CachingTower)}
@@ -124,11 +124,9 @@ class Pipeline(Generic[TicketT]):
         """Every probe's answer: workers alive and the startup self-check not failed."""
         return health.readiness(self.towers, self.runtime.self_check)
 
-    async def run(
-        self, exchange: Exchange, call: Call[Parsed]
-    ) -> tuple[RequestContext, str, Encoded]:
+    async def run(self, exchange: Exchange, call: Call[Parsed]) -> tuple[RequestContext, Encoded]:
         """The same steps in the same order for every front door, over HTTP or gRPC: the
-        request's context, its metrics label and its encoded answer."""
+        request's context and its encoded answer, counted in the metrics."""
         t0 = time.perf_counter()
         try:
             # `request`'s steps, spelled out on this per-request path (no generator to drive).
@@ -145,10 +143,19 @@ class Pipeline(Generic[TicketT]):
             with ctx.timer.measure("encode"):
                 encoded = call.encode(work, done)
         except ClipserveError:
-            self._model_outcome(call.tower, "fail", time.perf_counter() - t0)
+            self.counted.failed(call.tower, time.perf_counter() - t0)
             raise
-        self._model_outcome(call.tower, "success", time.perf_counter() - t0, ctx, work)
-        return ctx, work.protocol, encoded
+        tower = call.tower
+        self.counted.succeeded(
+            tower,
+            work.protocol,
+            time.perf_counter() - t0,
+            ctx.timer.stages,
+            work.count(tower),
+            ctx.body_bytes,
+            len(encoded.content),
+        )
+        return ctx, encoded
 
     async def _walk(
         self, exchange: Exchange, call: Call[Parsed], ctx: RequestContext
@@ -168,27 +175,6 @@ class Pipeline(Generic[TicketT]):
             return work, await self.embed(work, ctx, call.tower, held)
         finally:
             held.ticket.release_all()
-
-    def _model_outcome(
-        self,
-        tower: TowerKind,
-        outcome: str,
-        seconds: float,
-        ctx: RequestContext | None = None,
-        work: Work[Any] | None = None,
-    ) -> None:
-        """Triton's model statistics (http/stats.py): a request answered, its time, and for a
-        success its stages and items."""
-        c = self.counted
-        with self.metrics.deferred as d:
-            d.add(c.model_requests(tower, outcome))
-            d.add(c.model_request_seconds(tower, outcome), seconds)
-            if ctx is None or work is None:
-                return
-            for stage, spent in ctx.timer.stages.items():
-                d.add(c.model_stage_seconds(tower, stage), spent)
-            d.add(c.model_items(tower), work.count(tower))
-            d.set(c.model_last_inference(tower), time.time())
 
     async def in_pool(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """CPU work (parsing, decoding, tokenising) goes to the pool, never onto the event loop."""
@@ -397,29 +383,6 @@ class Pipeline(Generic[TicketT]):
             if lookup and not fresh and id(tower) in self._caching:
                 rows = await cast(CachingTower[TicketT], tower).lookup(keys)
         return Found(rows, keys)
-
-    def record(self, ctx: RequestContext, protocol: str, response_bytes: int) -> None:
-        """A 200 answer's stages and sizes in the per-protocol metrics."""
-        c = self.counted
-        with self.metrics.deferred as d:
-            for stage, seconds in ctx.timer.stages.items():
-                d.observe(c.stage_duration(stage, protocol), seconds)
-            d.add(c.request_bytes(protocol), ctx.body_bytes)
-            d.add(c.response_bytes(protocol), response_bytes)
-
-
-class _Counted:
-    """The per-request metrics' children, each looked up once (http/children.py)."""
-
-    def __init__(self, m: Metrics) -> None:
-        self.model_requests = Children(m.model_requests)
-        self.model_request_seconds = Children(m.model_request_seconds)
-        self.model_stage_seconds = Children(m.model_stage_seconds)
-        self.model_items = Children(m.model_items)
-        self.model_last_inference = Children(m.model_last_inference)
-        self.stage_duration = Children(m.stage_duration)
-        self.request_bytes = Children(m.request_bytes)
-        self.response_bytes = Children(m.response_bytes)
 
 
 def _timed_out(exchange: Exchange, timeout_s: float, server_s: float) -> RequestTimeout:

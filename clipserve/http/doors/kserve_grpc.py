@@ -363,8 +363,7 @@ class InferenceServicer(Generic[TicketT]):
         name, model = self._model(*peek_model(body))
         limits, output, regions = pipeline.config.limits, pipeline.names.output, pipeline.regions
         call = GrpcInfer(pipeline.runtime, name, model, limits, output, regions.read, regions.write)
-        ctx, protocol, encoded = await pipeline.run(GrpcExchange(context, rid, body), call)
-        pipeline.record(ctx, protocol, len(encoded.content))
+        ctx, encoded = await pipeline.run(GrpcExchange(context, rid, body), call)
         timing = ("server-timing", ctx.timer.header())
         context.set_trailing_metadata((("x-request-id", rid), timing))
         return encoded.content
