@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import inspect
 import io
+import logging
 import os
 import re
 import shutil
@@ -38,6 +39,7 @@ from clipserve.http.server import build_uvicorn_config
 from clipserve.inference.preprocess import PreprocessSpec
 from clipserve.loadgen.images import encode
 from clipserve.loadgen.procs import clipserve_process, free_port
+from clipserve.logs import ACCESS_LOGGER
 
 T = TypeVar("T")
 PNG = {"Content-Type": "image/png"}
@@ -359,3 +361,24 @@ def self_signed_cert(directory: Path) -> tuple[Path, Path]:
     args += ["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)]
     subprocess.run(["openssl", *args], check=True, capture_output=True)
     return cert, key
+
+
+@contextlib.contextmanager
+def access_lines() -> Iterator[list[logging.LogRecord]]:
+    """The access log's records written meanwhile, at INFO whatever the logging setup (each
+    record's `fields` holds the line's request id, route, status and so on)."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger(ACCESS_LOGGER)
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

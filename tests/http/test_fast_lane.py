@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import re
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,7 @@ from clipserve.http.app import create_app
 from clipserve.http.door import InferenceEndpoint
 from clipserve.http.fastlane import FastLane, first_match
 from clipserve.http.request import ClientGone, DisconnectWatch, unless_gone
-from clipserve.logs import ACCESS_LOGGER
-from tests.helpers import make_config
+from tests.helpers import access_lines, make_config
 
 TENSOR = {
     "content-type": "application/octet-stream",
@@ -231,25 +229,6 @@ def test_kserve_answers_the_same_either_way_and_in_tritons_shape(app: Starlette)
     assert uint8[2] == general[2]
     assert json.loads(uint8[2])["outputs"][0]["shape"] == [1, 32]
     assert unknown[0] == 404 and set(json.loads(unknown[2])) == {"error"}  # Triton's shape
-
-
-@contextmanager
-def access_lines() -> Iterator[list[logging.LogRecord]]:
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    logger = logging.getLogger(ACCESS_LOGGER)
-    handler, level = Keep(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 def test_request_ids_metrics_and_access_lines_on_the_fast_path(app: Starlette) -> None:

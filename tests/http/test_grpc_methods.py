@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -21,9 +20,8 @@ from clipserve.http.doors.kserve_grpc import InferenceServicer
 from clipserve.http.grpc_server import SERVICE, CallGuard, Context, Methods
 from clipserve.http.pipeline import Pipeline
 from clipserve.loadgen.procs import free_port
-from clipserve.logs import ACCESS_LOGGER
 from clipserve.metrics import Metrics
-from tests.helpers import RunningServer, Serve, make_config, running, until
+from tests.helpers import RunningServer, Serve, access_lines, make_config, running, until
 
 LiveContext = Context[pb.ServerLiveRequest, pb.ServerLiveResponse]
 
@@ -109,24 +107,10 @@ def server(tiny_config: Any, tiny_checkpoint: Any) -> Iterator[RunningServer]:
         yield s
 
 
-@contextmanager
-def access_lines() -> Iterator[list[dict[str, Any]]]:
-    """The access lines written meanwhile (their `fields`), at INFO whatever the logging setup."""
-    lines: list[dict[str, Any]] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(getattr(record, "fields", {}))
-
-    logger = logging.getLogger(ACCESS_LOGGER)
-    handler, level = Keep(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+def _fields(records: list[logging.LogRecord], request_id: str) -> list[dict[str, Any]]:
+    """The access lines' fields for one request."""
+    fields = (getattr(r, "fields", {}) for r in records)
+    return [f for f in fields if f.get("request_id") == request_id]
 
 
 def _requests_total(server: RunningServer, route: str, status: str) -> float:
@@ -170,7 +154,7 @@ def test_a_malformed_message_is_invalid_argument_counted_and_logged(
         assert _trailing(error)["x-request-id"] == request_id
         # The guard counts and logs the call as the status leaves: a moment after the client
         # has it.
-        mine = until(lambda: [f for f in lines if f.get("request_id") == request_id], 5)
+        mine = until(lambda: _fields(lines, request_id), 5)
     assert [(f["route"], f["status"]) for f in mine] == [(route, 400)]
     assert _requests_total(server, route, "400") == before + 1
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
@@ -190,6 +174,6 @@ def test_keys_are_checked_before_a_malformed_message_is_parsed(
         key = (("x-api-key", "sk-alice-0123456789"), ("x-request-id", "keyed-malformed"))
         error = _call(server, route, b"\xff\xff", key)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
-        mine = until(lambda: [f for f in lines if f.get("request_id") == "keyed-malformed"], 5)
+        mine = until(lambda: _fields(lines, "keyed-malformed"), 5)
     assert [(f["status"], f["key"]) for f in mine] == [(400, "alice")]
     assert _requests_total(server, route, "401") == 1
