@@ -67,14 +67,17 @@ def save_manifest(directory: Path, photos: Iterable[Photo]) -> None:
 class EmbeddingStore:
     """Embeddings by content hash for one model, on disk under `directory`."""
 
-    def __init__(self, directory: Path, model: str, embed_dim: int) -> None:
+    def __init__(self, directory: Path, model: str, embed_dim: int, variant: str = "") -> None:
         """`model` is the server's model identity; random weights ("…/random") are kept in
-        memory for this run only."""
+        memory for this run only. `variant` names preprocessing other than open_clip's (its
+        embeddings are kept apart; "" keeps the folder of caches made before variants)."""
         self.model = model
         self.embed_dim = embed_dim
         self.persistent = not model.endswith("/random")
-        digest = hashlib.sha256(model.encode()).hexdigest()[:8]
-        self.directory = directory / "embeddings" / f"{_slug(model)}-{digest}"
+        key = f"{model}\n{variant}" if variant else model
+        digest = hashlib.sha256(key.encode()).hexdigest()[:8]
+        slug = _slug(f"{model}-{variant}" if variant else model)
+        self.directory = directory / "embeddings" / f"{slug}-{digest}"
         self._rows: dict[str, np.ndarray] = {}
         self._parts = 0
         if not self.persistent:

@@ -138,9 +138,9 @@ def run(args: argparse.Namespace, embedder: Embedder) -> Outcome:
     save_manifest(cache, {**kept, **{p.path: p for p in found.photos}}.values())
 
     photos = by_hash(found.photos)
-    model, dim = model_identity(embedder)
+    model, dim, variant = model_identity(embedder)
     threshold = args.threshold if args.threshold is not None else default_threshold(model)
-    store = EmbeddingStore(cache, model, dim)
+    store = EmbeddingStore(cache, model, dim, variant)
     sent, failed = embed_missing(embedder, store, photos)
     store.compact()
     photos = {h: copies for h, copies in photos.items() if h in store}

@@ -42,13 +42,16 @@ class Embedder(Protocol):
     def info(self) -> Mapping[str, object]: ...
 
 
-def model_identity(embedder: Embedder) -> tuple[str, int]:
-    """The model's identity (its name and weights, the cache's key) and embedding size."""
+def model_identity(embedder: Embedder) -> tuple[str, int, str]:
+    """The model's identity (its name and weights, the cache's key), embedding size, and how
+    the server's preprocessing departs from open_clip's ("" where it does not): a server under
+    `--jpeg-scaling fast` crops JPEGs a little differently, so its embeddings are kept apart."""
     info = embedder.info()
     model, dim = info.get("model"), info.get("embed_dim")
     if not isinstance(model, str) or not isinstance(dim, int):
         raise RuntimeError(f"the server's /info has no model identity and embed_dim: {info}")
-    return model, dim
+    variant = "jpeg-scaling-fast" if info.get("jpeg_scaling") == "fast" else ""
+    return model, dim, variant
 
 
 def embed_missing(

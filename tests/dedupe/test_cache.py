@@ -50,6 +50,12 @@ def test_the_store_keeps_embeddings_per_model(tmp_path: Path) -> None:
     assert len(again) == 3 and again.missing(["a", "c", "d"]) == ["d"]
     assert np.array_equal(again.vectors(["c", "a"]), vectors[[2, 0]])
     assert len(EmbeddingStore(tmp_path, "ViT-B-32/laion2b_s34b_b79k", 4)) == 0
+    # Another preprocessing (a server under --jpeg-scaling fast): the same model, kept apart.
+    fast = EmbeddingStore(tmp_path, "ViT-B-32/openai", 4, "jpeg-scaling-fast")
+    assert len(fast) == 0 and fast.directory != again.directory
+    fast.add(["a"], vectors[:1])
+    assert len(EmbeddingStore(tmp_path, "ViT-B-32/openai", 4, "jpeg-scaling-fast")) == 1
+    assert len(EmbeddingStore(tmp_path, "ViT-B-32/openai", 4)) == 3
     with pytest.raises(ValueError):
         store.add(["x"], np.ones((1, 5), np.float32))
 

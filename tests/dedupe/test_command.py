@@ -121,3 +121,23 @@ def test_an_unreachable_server_is_one_error_line(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("clipserve dedupe: error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_a_server_under_jpeg_scaling_fast_keeps_its_own_embeddings(
+    photos: tuple[Path, dict[str, tuple[str, str]]],
+    serve: Callable[..., RunningServer],
+    tmp_path: Path,
+) -> None:
+    """Its JPEG crops differ a little from open_clip's: one cache, two folders, nothing mixed."""
+    folder, truth = photos
+    cache = tmp_path / "cache"
+    unique = len(truth) - len(WITH_COPIES)
+    # Fast, parity, fast again: each setting embeds everything once, then finds its own.
+    for run, (scaling, embedded) in enumerate([("fast", unique), ("parity", unique), ("fast", 0)]):
+        server = serve(jpeg_scaling=scaling)
+        out = tmp_path / f"out{run}"
+        argv = ["dedupe", str(folder), "--url", server.url, "--threshold", THRESHOLD]
+        assert main([*argv, "--out", str(out), "--cache", str(cache)]) == 0
+        assert found_groups(out)[1]["embedded"] == embedded, (run, scaling)
+    folders = sorted(p.name for p in (cache / "embeddings").iterdir())
+    assert len(folders) == 2 and sum("jpeg-scaling-fast" in f for f in folders) == 1, folders
