@@ -170,6 +170,9 @@ class Pipeline(Generic[TicketT]):
         try:
             with ctx.timer.measure("decode"):  # parsing the body counts as decoding
                 work = call.parse(body) if call.inline else await self.in_pool(call.parse, body)
+            if work.held_bytes:  # read from shared memory: held as a body's are (503 past it)
+                self.body_budget.reserve(work.held_bytes)
+                ctx.reserved_bytes += work.held_bytes
             work.fresh = exchange.fresh
             exchange.note_items(work.count("image") + work.count("text"))
             return work, await self.embed(work, ctx, call.tower, held)

@@ -53,6 +53,9 @@ class Work(Generic[Parsed]):
     texts: TextWork | None = None
     normalize: bool = True
     fresh: bool = False  # Cache-Control: no-cache: nothing read from the embedding cache
+    # Bytes the parse brought into memory besides the body (read from shared memory): held
+    # against --max-body-bytes-in-flight, like the body's, until the request ends.
+    held_bytes: int = 0
 
     def count(self, tower: TowerKind) -> int:
         if tower == "image":

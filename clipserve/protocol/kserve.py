@@ -87,6 +87,7 @@ class InferRequest:
     images: list[bytes] = field(default_factory=list)
     tensor: np.ndarray | None = None
     texts: list[str] = field(default_factory=list)
+    shared_bytes: int = 0  # read from a shared-memory region into this process
 
     @property
     def count(self) -> int:
@@ -217,6 +218,8 @@ def read_input(
     (`prefix`-<datatype>`suffix` is its metrics label); `datatype`: the only one the model
     takes (a per-kind model), None for any of the tower's."""
     got = tensor.datatype
+    if tensor.shared is not None:  # checked against the limits before any read
+        request.shared_bytes = tensor.shared.ref.byte_size
     if datatype is not None and got != datatype:
         raise InvalidTensor(f"datatype {got}: this model takes {datatype} only")
     if tower == "text":

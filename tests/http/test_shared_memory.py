@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPConnection, HTTPResponse
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from tests.helpers import (
     model_name,
     png_bytes,
     random_pixels,
+    until,
 )
 
 EMBEDDING = 32 * 4  # the tiny model's FP32 embedding
@@ -445,3 +447,47 @@ def test_a_register_body_that_stalls_gets_a_504_and_its_connection_closes(
     sock, response, error = _register(limited, b"Content-Length: 100000\r\n", b"")
     with sock:
         assert response.status == 413 and "a register request's most" in error["error"], error
+
+
+def test_bytes_read_from_a_region_count_against_the_body_budget(
+    serve: Serve, regions: list[Any]
+) -> None:
+    """A tensor read from shared memory is held in this process like a body: while one such
+    request waits on the device, a second that would pass --max-body-bytes-in-flight gets the
+    budget's 503; once the first is answered, the same request is served."""
+    server = serve(
+        backend="fake",
+        backend_option=["latency_ms=1500"],
+        grpc_port=free_port(),
+        shm_max_bytes=4 << 20,
+        max_body_bytes=200_000,
+        max_body_bytes_in_flight=300_000,
+    )
+    image = 224 * 224 * 3
+    handle = _region(regions, "pixels", 2 * image)
+    shm.set_shared_memory_region(handle, [np.zeros(2 * image, np.uint8)])
+    http, _ = _clients(server)
+    http.register_system_shared_memory("pixels", f"/pixels_{os.getpid()}", 2 * image)
+    url = f"{server.url}/v2/models/{model_name(server)}-uint8/infer"
+
+    def infer(offset: int) -> httpx.Response:
+        params = {
+            "shared_memory_region": "pixels",
+            "shared_memory_byte_size": image,
+            "shared_memory_offset": offset,
+        }
+        spec = {"name": "x", "datatype": "UINT8", "shape": [1, 224, 224, 3], "parameters": params}
+        return httpx.post(url, content=orjson.dumps({"inputs": [spec]}), timeout=30)
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(infer, 0)
+        budget = server.state.body_budget
+        until(lambda: budget.used >= image, 10, "the first request's tensor held")
+        refused = infer(image)  # 2 x 150528 + two headers > 300000
+        assert first.result().status_code == 200
+    assert refused.status_code == 503, refused.text
+    assert "--max-body-bytes-in-flight" in refused.json()["error"]
+    assert refused.headers["retry-after"]
+    assert budget.used == 0  # both given back
+    assert infer(image).status_code == 200
+    http.close()

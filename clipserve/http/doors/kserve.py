@@ -72,7 +72,7 @@ def work_of(
 ) -> Work[codec.InferRequest]:
     """A parsed inference request (HTTP or gRPC) as the pipeline's work: texts tokenised here,
     in the pool, like the parsing before them."""
-    work = Work(parsed.protocol, parsed)
+    work = Work(parsed.protocol, parsed, held_bytes=parsed.shared_bytes)
     if tower == "text":
         tokens = runtime.tokenize(parsed.texts, truncate=limits.truncate_text)
         work.texts = TextWork(parsed.protocol, parsed.texts, tokens)
