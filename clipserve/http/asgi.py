@@ -22,6 +22,7 @@ from clipserve.http.request import (
     ClientGone,
     DisconnectWatch,
     RequestContext,
+    declared_over,
     request_timeout,
 )
 from clipserve.http.timing import StageTimer
@@ -93,8 +94,7 @@ class AsgiExchange:
 
     async def body(self, limit: int, budget: BodyBudget, ctx: RequestContext) -> bytes:
         declared = self.headers.get("content-length")
-        digits = declared is not None and declared.isascii() and declared.isdigit()
-        if declared is not None and digits and (len(declared) > 19 or int(declared) > limit):
+        if declared is not None and declared_over(declared, limit):
             raise PayloadTooLarge(
                 f"body of {declared[:20]} bytes exceeds {limit} (--max-body-bytes)"
             )

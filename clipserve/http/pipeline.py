@@ -25,14 +25,14 @@ from starlette.requests import Request
 
 from clipserve.batching.tower import CachingTower, Completed, TicketT, Tower, TowerKind
 from clipserve.config import ServerConfig
-from clipserve.errors import ClipserveError, RequestTimeout, with_item_index
+from clipserve.errors import ClipserveError, with_item_index
 from clipserve.http import health
 from clipserve.http.cache_keys import CacheKeys, Found
 from clipserve.http.counted import RequestMetrics
 from clipserve.http.exchange import Exchange
 from clipserve.http.fetch import ImageFetcher
 from clipserve.http.names import ServedNames
-from clipserve.http.request import BodyBudget, RequestContext, unless_gone
+from clipserve.http.request import BodyBudget, RequestContext, timed_out, unless_gone
 from clipserve.http.shm_regions import SharedMemoryRegions
 from clipserve.http.work import Call, Embedded, Encoded, ImageWork, Parsed, TextWork, Work
 from clipserve.inference.model import LoadedModel
@@ -137,7 +137,7 @@ class Pipeline(Generic[TicketT]):
                 async with asyncio.timeout(timeout_s):
                     work, done = await self._walk(exchange, call, ctx)
             except TimeoutError:
-                raise _timed_out(exchange, timeout_s, server_s) from None
+                raise timed_out(timeout_s, server_s, exchange.deadline_name) from None
             finally:
                 self.body_budget.release(ctx.reserved_bytes)
             with ctx.timer.measure("encode"):
@@ -386,12 +386,6 @@ class Pipeline(Generic[TicketT]):
             if lookup and not fresh and id(tower) in self._caching:
                 rows = await cast(CachingTower[TicketT], tower).lookup(keys)
         return Found(rows, keys)
-
-
-def _timed_out(exchange: Exchange, timeout_s: float, server_s: float) -> RequestTimeout:
-    """The error of a request past its deadline, naming the limit that set it."""
-    limit = exchange.deadline_name if timeout_s < server_s else "--request-timeout-s"
-    return RequestTimeout(f"request took longer than {timeout_s:g} s ({limit})")
 
 
 async def _all(jobs: Sequence[Awaitable[T]]) -> list[T]:

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from starlette.types import Receive
 
-from clipserve.errors import InvalidHeader, Overloaded
+from clipserve.errors import InvalidHeader, Overloaded, RequestTimeout
 from clipserve.http.timing import StageTimer
 
 T = TypeVar("T")
@@ -144,6 +144,21 @@ async def unless_gone(
         task.uncancel()
         raise ClientGone()
     return result
+
+
+def timed_out(timeout_s: float, server_s: float, deadline_name: str) -> RequestTimeout:
+    """The error of a request past its deadline, naming the limit that set it: the client's
+    own (`deadline_name`: its header, or gRPC's deadline) where shorter than the server's."""
+    limit = deadline_name if timeout_s < server_s else "--request-timeout-s"
+    return RequestTimeout(f"request took longer than {timeout_s:g} s ({limit})")
+
+
+def declared_over(declared: str, limit: int) -> bool:
+    """Whether a Content-Length value declares more than `limit` bytes (the length first:
+    int() refuses strings of over 4300 digits). A value that is not digits is the parser's."""
+    if not (declared.isascii() and declared.isdigit()):
+        return False
+    return len(declared) > 19 or int(declared) > limit
 
 
 def request_timeout(headers: Mapping[str, str], server_timeout_s: float) -> float:

@@ -14,9 +14,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from clipserve.errors import InvalidBody, PayloadTooLarge, RequestTimeout, Unsupported
+from clipserve.errors import InvalidBody, PayloadTooLarge, Unsupported
+from clipserve.http.asgi import AsgiExchange
 from clipserve.http.pipeline import pipeline_of
-from clipserve.http.request import request_timeout
+from clipserve.http.request import declared_over, request_timeout, timed_out
 from clipserve.protocol.media import JSON
 
 SYSTEM = "/v2/systemsharedmemory"
@@ -40,9 +41,7 @@ async def _body(request: Request, server_s: float) -> bytes:
     or a shorter X-Request-Timeout-Ms): a client that stalls mid-body gets a 504, as on /embed,
     and its connection closes (http/cycle.py's EarlyAnswerCycle), so it holds no connection."""
     declared = request.headers.get("content-length", "")
-    digits = declared.isascii() and declared.isdigit()
-    # The length first: int() refuses strings of over 4300 digits (the parser does too).
-    if digits and (len(declared) > 20 or int(declared) > MAX_REGISTER_BODY):
+    if declared_over(declared, MAX_REGISTER_BODY):
         raise _too_large(declared if len(declared) <= 20 else f"{declared[:20]}...")
     timeout_s = request_timeout(request.headers, server_s)
     body = b""
@@ -53,8 +52,7 @@ async def _body(request: Request, server_s: float) -> bytes:
                 if len(body) > MAX_REGISTER_BODY:
                     raise _too_large()
     except TimeoutError:
-        limit = "X-Request-Timeout-Ms" if timeout_s < server_s else "--request-timeout-s"
-        raise RequestTimeout(f"request took longer than {timeout_s:g} s ({limit})") from None
+        raise timed_out(timeout_s, server_s, AsgiExchange.deadline_name) from None
     return body
 
 
