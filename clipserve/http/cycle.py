@@ -1,11 +1,12 @@
-"""uvicorn's request-response cycle, less two copies of each request body and one write per
-answer: what a bare uvicorn server pays on every request, here paid less (3.6% of the
-protocol's instructions for a 150 KB body; no change CPU time could resolve end to end:
-bench/results/http-cycle.json, docs/design.md#http-layer).
+"""uvicorn's request-response cycle, less the copies of each request body and one write per
+answer: what a bare uvicorn server pays on every request, here paid less (for a 150 KB body,
+3.6% of the protocol's instructions for the one write and a one-chunk body, 19% more for a body
+of several chunks; bench/results/http-cycle*.json, docs/design.md#http-layer).
 
-- A body: uvicorn gathers it into a bytearray (a copy of every chunk the parser hands over) and
-  hands it on as bytes (a second copy). `Cycle` keeps a body that arrives as one chunk as the
-  parser made it; a second chunk starts the bytearray, as before.
+- A body: uvicorn gathers it into a bytearray (a copy of every chunk the parser hands over, and
+  more as the bytearray grows) and hands it on as bytes (a second copy of all of it). `Cycle`
+  keeps the parser's chunks as they are and joins them once, as it hands the body on: no copy
+  for a body that arrives as one chunk, one for a body of several (a 150 KB tensor often is).
 - An answer: uvicorn writes the head when the app sends it and the body on the next message: two
   writes, two TCP segments on a kept-alive connection. `Cycle` holds the head until the cycle's
   next write and sends both in one (a writev where the transport has one). The head goes
@@ -24,6 +25,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from uvicorn._types import ASGIReceiveEvent, ASGISendEvent
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+SMALL_CHUNK = 4096  # body chunks below this are gathered by copy, not kept one object each
 
 
 class _Passing(asyncio.Transport):
@@ -79,39 +82,52 @@ class _HeldHead(_Passing):
 class Cycle(RequestResponseCycle):
     """One request and its answer on a connection; see the module's note."""
 
-    body: Any  # bytes while the body is one chunk, uvicorn's bytearray after a second
+    body: Any  # the first chunk received and not yet handed on (uvicorn's: a bytearray)
+    # The chunks after it; small ones copied into a bytearray at the end, so that a body sent
+    # in tiny chunks costs its bytes, not an object each (~35 bytes) beyond what `size` counts.
+    rest: list[bytes | bytearray] | None
+    size: int  # bytes received and not yet handed on: the flow control's measure
     held: _HeldHead | None
 
     def adopt(self) -> None:
         """Made a `Cycle` after uvicorn built it (its __init__ has run): nothing received yet."""
         self.body = b""
+        self.rest = None
+        self.size = 0
         self.held = None
 
     def take(self, chunk: bytes) -> None:
         """A body chunk from the parser (a bytes object of its own)."""
-        body = self.body
-        if not body:
+        if not self.size:
             self.body = chunk
-        elif type(body) is bytes:
-            self.body = bytearray(body)
-            self.body += chunk
+        elif self.rest is None:
+            self.rest = [chunk if len(chunk) >= SMALL_CHUNK else bytearray(chunk)]
+        elif len(chunk) >= SMALL_CHUNK:
+            self.rest.append(chunk)
+        elif type(last := self.rest[-1]) is bytearray:
+            last += chunk
         else:
-            body += chunk
+            self.rest.append(bytearray(chunk))
+        self.size += len(chunk)
 
     async def receive(self) -> ASGIReceiveEvent:
-        if self.waiting_for_100_continue or self.disconnected or self.response_complete:
-            return await RequestResponseCycle.receive(self)  # as uvicorn does
-        self.flow.resume_reading()
-        await self.message_event.wait()
-        self.message_event.clear()
+        """uvicorn's steps (its receive hands on `self.body` alone, a bytearray to it)."""
+        if self.waiting_for_100_continue and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.waiting_for_100_continue = False
+        if not self.disconnected and not self.response_complete:
+            self.flow.resume_reading()
+            await self.message_event.wait()
+            self.message_event.clear()
         if self.disconnected or self.response_complete:
             return {"type": "http.disconnect"}
-        body, self.body = self.body, b""
-        return {
-            "type": "http.request",
-            "body": body if type(body) is bytes else bytes(body),
-            "more_body": self.more_body,
-        }
+        return {"type": "http.request", "body": self._taken(), "more_body": self.more_body}
+
+    def _taken(self) -> bytes:
+        """What has arrived, as one bytes object; the cycle holds none of it after."""
+        body, rest = self.body, self.rest
+        self.body, self.rest, self.size = b"", None, 0
+        return body if rest is None else b"".join([body, *rest])
 
     async def send(self, message: ASGISendEvent) -> None:
         held = self.held

@@ -190,7 +190,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if cycle is not None and cycle.more_body:
             # Paused here, once the packet is parsed, not in on_body: a body that ended in it
             # (the usual request) costs no pause and resume of the socket.
-            if len(cycle.body) > HIGH_WATER_LIMIT:
+            if cast(Cycle, cycle).size > HIGH_WATER_LIMIT:
                 self.flow.pause_reading()
             if type(cycle) is Cycle:
                 # Its handler may answer before the rest arrives; only such cycles pay for it.

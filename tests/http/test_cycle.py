@@ -219,3 +219,44 @@ def test_an_app_that_stops_after_its_head_still_sends_it(port: int, path: str) -
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(request(path, b""))
         assert read_all(sock).startswith(b"HTTP/1.1 200")
+
+
+def test_a_cycle_hands_on_one_chunk_as_it_came_and_joins_several_once() -> None:
+    """The body's bytes as the parser made them: one chunk is handed on as that very object
+    (no copy); several become one bytes object, in order; the count that flow control reads
+    is what is held, and nothing is held once handed on."""
+    from clipserve.http.cycle import Cycle
+
+    cycle = Cycle.__new__(Cycle)  # its state is what `adopt` sets; no connection needed
+    cycle.adopt()
+    one = bytes(range(256)) * 300
+    cycle.take(one)
+    assert cycle.size == len(one)
+    assert cycle._taken() is one
+    assert cycle.size == 0
+    parts = [b"a" * 65_536, b"b" * 65_536, b"c" * 19_456]
+    for part in parts:
+        cycle.take(part)
+    assert cycle.size == sum(map(len, parts))
+    got = cycle._taken()
+    assert type(got) is bytes and got == b"".join(parts)
+    assert (cycle.size, cycle._taken()) == (0, b"")
+
+
+def test_a_body_in_tiny_chunks_is_held_as_its_bytes_not_an_object_each() -> None:
+    """A chunked body of 2-byte chunks (each within the framing allowance): the cycle keeps
+    them in one bytearray, not 50,000 objects (~35 bytes each beyond the 2 that flow control
+    counts); large chunks between them keep their place in the order."""
+    from clipserve.http.cycle import SMALL_CHUNK, Cycle
+
+    cycle = Cycle.__new__(Cycle)
+    cycle.adopt()
+    sent = [b"%02d" % (i % 100) for i in range(50_000)]
+    big = b"B" * SMALL_CHUNK
+    sent[10_000:10_000] = [big]
+    sent[30_000:30_000] = [big, big]
+    for chunk in sent:
+        cycle.take(chunk)
+    assert cycle.rest is not None and len(cycle.rest) <= 6  # small runs, the big ones apart
+    assert cycle.size == sum(map(len, sent))
+    assert cycle._taken() == b"".join(sent)
