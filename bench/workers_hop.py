@@ -19,6 +19,7 @@ import json
 import os
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from bench.frontend.cli import FAKE_CONFIG
 from bench.frontend.load import clean, client, requests_of, saturate, spread
 from bench.frontend.servers import (
     Running,
+    Server,
     clipserve,
     fake_flags,
     pinning,
@@ -37,6 +39,7 @@ from bench.frontend.servers import (
     start_all,
 )
 from bench.frontend.servers import affinity as pinned
+from clipserve.loadgen.payloads import Request
 
 
 def switches(r: Running) -> dict[int, tuple[int, str]]:
@@ -89,8 +92,51 @@ def summary(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
     }
 
 
-def run(a: argparse.Namespace, model: Path) -> dict[str, Any]:
+def one_core_rounds(
+    servers: list[Server],
+    rounds: int,
+    connections: int,
+    measure: Callable[[Running, list[Request], int], dict[str, Any]],
+    line: Callable[[dict[str, Any]], str],
+) -> tuple[list[dict[str, Any]], dict[str, str], dict[str, list[int]]]:
+    """The servers on one core and wrk on another, warmed up, then `rounds` rounds of tensor
+    requests in rotated order: each point's row (`measure`'s, with its round; `line` says it),
+    the servers that did not start, and the pinning."""
     server_cpus, client_cpus = split_cpus(1)
+    reqs = requests_of("raw-tensor")
+    threads = len(client_cpus or {0})
+    rows: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack, pinned(client_cpus):
+        up, skipped = start_all(stack, servers, server_cpus)
+        for r in up:  # warm-up: connections, caches, the batcher's first batches
+            saturate(r, reqs, 1.0, connections, threads)
+        for rnd in range(rounds):
+            for r in rotated(up, rnd):
+                row = {"round": rnd, **measure(r, reqs, threads)}
+                rows.append(row)
+                say(f"round {rnd} {r.server.name}: {line(row)}")
+    return rows, skipped, pinning(server_cpus, client_cpus)
+
+
+def report_head(
+    benchmark: str, pins: dict[str, list[int]], a: argparse.Namespace
+) -> dict[str, Any]:
+    """What every one-core report starts with: when, where, and the load."""
+    return {
+        "benchmark": benchmark,
+        "when": utc_now(),
+        "machine": machine(),
+        "pinning": pins,
+        "client": client(),
+        "payload": "raw-tensor, one 224x224x3 uint8 crop (150 KB) per request",
+        "backend": "fake, compute=0, cache off",
+        "connections": a.connections,
+        "seconds_per_point": a.seconds,
+        "rounds": a.rounds,
+    }
+
+
+def run(a: argparse.Namespace, model: Path) -> dict[str, Any]:
     trees: dict[str, Path | None] = {"after": a.tree}
     if a.before_tree:
         trees["before"] = a.before_tree
@@ -99,37 +145,22 @@ def run(a: argparse.Namespace, model: Path) -> dict[str, Any]:
         for t, tree in trees.items()
         for n in (1, 2)
     ]
-    reqs = requests_of("raw-tensor")
-    rows: list[dict[str, Any]] = []
-    threads = len(client_cpus or {0})
-    with contextlib.ExitStack() as stack, pinned(client_cpus):
-        up, skipped = start_all(stack, servers, server_cpus)
-        for r in up:  # warm-up: connections, caches, the batcher's first batches
-            saturate(r, reqs, 1.0, a.connections, threads)
-        for rnd in range(a.rounds):
-            for r in rotated(up, rnd):
-                row = {"round": rnd, **point(r, a, reqs, threads)}
-                rows.append(row)
-                say(
-                    f"round {rnd} {r.server.name}: {row['requests_per_s']} req/s, "
-                    f"{row['server_cpu_ms_per_request']} CPU ms/req, "
-                    f"switches/req {row['switches_per_request_by_role']}"
-                )
+    rows, skipped, pins = one_core_rounds(
+        servers,
+        a.rounds,
+        a.connections,
+        lambda r, reqs, threads: point(r, a, reqs, threads),
+        lambda row: (
+            f"{row['requests_per_s']} req/s, {row['server_cpu_ms_per_request']} CPU ms/req, "
+            f"switches/req {row['switches_per_request_by_role']}"
+        ),
+    )
     names = [s.name for s in servers if s.name not in skipped]
     pairs = [(f"{t}-w2", f"{t}-w1") for t in trees]
     if a.before_tree:
         pairs += [("after-w1", "before-w1"), ("after-w2", "before-w2")]
     return {
-        "benchmark": "workers_hop",
-        "when": utc_now(),
-        "machine": machine(),
-        "pinning": pinning(server_cpus, client_cpus),
-        "client": client(),
-        "payload": "raw-tensor, one 224x224x3 uint8 crop (150 KB) per request",
-        "backend": "fake, compute=0, cache off",
-        "connections": a.connections,
-        "seconds_per_point": a.seconds,
-        "rounds": a.rounds,
+        **report_head("workers_hop", pins, a),
         "trees": {k: str(v) if v else "this checkout" for k, v in trees.items()},
         "skipped": skipped,
         "ratios": ratios(rows, [p for p in pairs if set(p) <= set(names)]),

@@ -16,7 +16,6 @@ Needs `perf` (linux-perf) with user-space sampling allowed (perf_event_paranoid 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import re
 import shutil
@@ -26,19 +25,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, rotated, say, utc_now, write_report
+from bench.common import write_report
 from bench.frontend.cli import FAKE_CONFIG
-from bench.frontend.load import client, requests_of, saturate, spread
-from bench.frontend.servers import (
-    Running,
-    clipserve,
-    fake_flags,
-    pinning,
-    role,
-    split_cpus,
-    start_all,
-)
-from bench.frontend.servers import affinity as pinned
+from bench.frontend.load import saturate, spread
+from bench.frontend.servers import Running, clipserve, fake_flags, role
+from bench.workers_hop import one_core_rounds, report_head
 
 HZ = 2000  # samples a second of CPU: 500 µs each
 ROLES = ("server", "front end", "engine")
@@ -72,7 +63,9 @@ def _report(data: Path, key: str) -> dict[str, float]:
     return {k: p * samples for k, p in percents.items()}
 
 
-def point(r: Running, seconds: float, reqs: Any, connections: int, tmp: Path) -> dict[str, Any]:
+def point(
+    r: Running, seconds: float, reqs: Any, connections: int, threads: int, tmp: Path
+) -> dict[str, Any]:
     procs = [p for p in [r.root, *r.root.children(recursive=True)] if role(p, r.root) in ROLES]
     records = []
     for p in procs:
@@ -80,7 +73,7 @@ def point(r: Running, seconds: float, reqs: Any, connections: int, tmp: Path) ->
         cmd = ["perf", "record", "-q", "-e", "cpu-clock", "-F", str(HZ), "-o", str(data)]
         cmd += ["-p", str(p.pid), "--", "sleep", str(seconds + 1)]
         records.append((role(p, r.root), data, subprocess.Popen(cmd)))
-    row = saturate(r, reqs, seconds, connections, 1)
+    row = saturate(r, reqs, seconds, connections, threads)
     ok = max(row["requests"] - row["failed"], 1)
     by: dict[str, dict[str, dict[str, float]]] = {}
     for label, data, proc in records:
@@ -161,31 +154,17 @@ def paired(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(a: argparse.Namespace, model: Path, tmp: Path) -> dict[str, Any]:
-    server_cpus, client_cpus = split_cpus(1)
     servers = [clipserve(f"w{n}", [*fake_flags(model), "--workers", str(n)]) for n in (1, 2)]
-    reqs = requests_of("raw-tensor")
-    rows: list[dict[str, Any]] = []
-    with contextlib.ExitStack() as stack, pinned(client_cpus):
-        up, skipped = start_all(stack, servers, server_cpus)
-        for r in up:
-            saturate(r, reqs, 1.0, a.connections, 1)
-        for rnd in range(a.rounds):
-            for r in rotated(up, rnd):
-                row = {"round": rnd, **point(r, a.seconds, reqs, a.connections, tmp)}
-                rows.append(row)
-                say(f"round {rnd} {r.server.name}: {row['us_per_request']} µs/request")
+    rows, skipped, pins = one_core_rounds(
+        servers,
+        a.rounds,
+        a.connections,
+        lambda r, reqs, threads: point(r, a.seconds, reqs, a.connections, threads, tmp),
+        lambda row: f"{row['us_per_request']} µs/request",
+    )
     return {
-        "benchmark": "workers_perf",
-        "when": utc_now(),
-        "machine": machine(),
-        "pinning": pinning(server_cpus, client_cpus),
-        "client": client(),
-        "payload": "raw-tensor, one 224x224x3 uint8 crop (150 KB) per request",
-        "backend": "fake, compute=0, cache off",
+        **report_head("workers_perf", pins, a),
         "sampling": f"perf record -e cpu-clock -F {HZ}, every thread of each process",
-        "connections": a.connections,
-        "seconds_per_point": a.seconds,
-        "rounds": a.rounds,
         "skipped": skipped,
         "same_work_front_end_over_w1": same_work(rows),
         "paired_us_per_request": paired(rows),
