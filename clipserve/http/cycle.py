@@ -98,17 +98,20 @@ class Cycle(RequestResponseCycle):
 
     def take(self, chunk: bytes) -> None:
         """A body chunk from the parser (a bytes object of its own)."""
-        if not self.size:
+        first = not self.size
+        self.size += len(chunk)
+        if first:
             self.body = chunk
-        elif self.rest is None:
-            self.rest = [chunk if len(chunk) >= SMALL_CHUNK else bytearray(chunk)]
-        elif len(chunk) >= SMALL_CHUNK:
-            self.rest.append(chunk)
-        elif type(last := self.rest[-1]) is bytearray:
+            return
+        if self.rest is None:
+            self.rest = []
+        rest = self.rest
+        if len(chunk) >= SMALL_CHUNK:
+            rest.append(chunk)
+        elif rest and type(last := rest[-1]) is bytearray:
             last += chunk
         else:
-            self.rest.append(bytearray(chunk))
-        self.size += len(chunk)
+            rest.append(bytearray(chunk))
 
     async def receive(self) -> ASGIReceiveEvent:
         """uvicorn's steps (its receive hands on `self.body` alone, a bytearray to it)."""
