@@ -41,18 +41,8 @@ SAME_WORK = {
 }
 
 
-def _report(data: Path, key: str) -> dict[str, float]:
-    """Samples by `key` (dso or sym) in one perf.data."""
-    out = subprocess.run(
-        ["perf", "report", "-i", str(data), "--no-children", "--sort", key, "-g", "none", "-q"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    percents = {}
-    for line in out.splitlines():
-        if m := re.match(r"\s*([\d.]+)%\s+(.*\S)", line):
-            percents[m.group(2)] = float(m.group(1)) / 100
+def _report(data: Path) -> dict[str, dict[str, float]]:
+    """Samples by shared object ("dso") and by symbol ("sym") in one perf.data."""
     script = subprocess.run(
         ["perf", "script", "-i", str(data), "-F", "period"],
         capture_output=True,
@@ -60,7 +50,19 @@ def _report(data: Path, key: str) -> dict[str, float]:
         check=True,
     )
     samples = len(script.stdout.split())
-    return {k: p * samples for k, p in percents.items()}
+    by: dict[str, dict[str, float]] = {}
+    for key in ("dso", "sym"):
+        out = subprocess.run(
+            ["perf", "report", "-i", str(data), "--no-children", "--sort", key, "-g", "none", "-q"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        by[key] = {}
+        for line in out.splitlines():
+            if m := re.match(r"\s*([\d.]+)%\s+(.*\S)", line):
+                by[key][m.group(2)] = float(m.group(1)) / 100 * samples
+    return by
 
 
 def point(
@@ -78,9 +80,9 @@ def point(
     by: dict[str, dict[str, dict[str, float]]] = {}
     for label, data, proc in records:
         proc.wait()
-        for key in ("dso", "sym"):
+        for key, samples in _report(data).items():
             mine = by.setdefault(label, {}).setdefault(key, defaultdict(float))
-            for name, n in _report(data, key).items():
+            for name, n in samples.items():
                 mine[name] += n / ok * 1e6 / HZ  # µs a request
         data.unlink()
     return {
