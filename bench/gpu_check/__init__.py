@@ -59,8 +59,13 @@ took three calls: env,gpu-tests,executor:torch+fp16,executor:cuda-graphs,served:
 --skip executor:torch+fp16+compile (a 315 s budget); served:tensor-d2, then
 decoders,served:jpeg (270 s); served:tensor-d2 with --workers 4 (120 s). Measured there:
 gpu-tests 160 s, an executor sweep 25-30 s, a served section 50-110 s (of it, up to a minute of
-clipserve-bench building tensor payloads, since cut to seconds), decoders 56 s. Not yet run:
-torch.compile, pipelined:*, ort-cuda and ort-trt (onnxruntime-gpu does not fit a call).
+clipserve-bench building tensor payloads, since cut to seconds), decoders 56 s. The second run
+(bench/results/gpu-check-h200-2026-11-27-second-run.json) took four calls: env,gpu-tests,
+pipelined:torch+fp16,served:tensor-d2 (--pipeline-depths 2, 490 s budget; 281 s used), then at
+once on the warm machine executor:torch+fp16+compile (79 s), gpu-tests again after a fix (129 s)
+and served:tensor-d2 with --workers 4 (70 s). Each section's whole pytest output is kept beside
+its JSON (gpu-tests-pytest.log, sanitizer-pytest.log): copy them from the run's directory to
+$OUT too. Not yet run: ort-cuda and ort-trt (onnxruntime-gpu does not fit a call).
 
 clipserve itself runs from the working tree (the repository root is the working directory).
 """

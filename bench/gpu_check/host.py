@@ -75,6 +75,8 @@ def section_gpu_tests(plan: Plan, emit: Emit) -> dict[str, Any]:
     )
     out: dict[str, Any] = {"files": files, "exit_code": proc.returncode}
     out["tail"] = proc.stdout[-1500:]
+    # The whole output beside the JSON: a failure's report is longer than any tail.
+    (Path(plan.out_dir) / "gpu-tests-pytest.log").write_text(proc.stdout + proc.stderr)
     if junit.exists():
         text = junit.read_text()
         suite = re.search(r"<testsuite [^>]*>", text)
@@ -112,4 +114,5 @@ def sanitized_tests(plan: Plan) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files]
     env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+    (Path(plan.out_dir) / "sanitizer-pytest.log").write_text(proc.stdout + proc.stderr)
     return {"files": files, "exit_code": proc.returncode, "tail": proc.stdout[-1500:]}

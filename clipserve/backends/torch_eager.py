@@ -279,7 +279,11 @@ class TorchExecutor:
         return self._new_slot(self._slot_size)
 
     def _new_slot(self, n: int) -> _Slot:
-        return _Slot(n, self.spec.size, self.info.embed_dim, self.layer)
+        # Its device buffers come from the copy stream's pool, the stream that first writes
+        # them: a block from another stream's pool may still be in use there (PyTorch's stream
+        # sanitizer flagged the default stream's, on the second GPU run).
+        with self.layer.on(self.copy_stream):
+            return _Slot(n, self.spec.size, self.info.embed_dim, self.layer)
 
     def _give_back(self, slot: _Slot) -> None:
         with self._slots_lock:
