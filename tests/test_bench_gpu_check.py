@@ -99,6 +99,7 @@ def test_served_loads_fit_the_body_budget() -> None:
             assert load.body_bytes() >= max(load.concurrency * body, 2**28)
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
     code, doc = gpu_check(
         tmp_path, "--quick", "--model", str(tmp_path / "missing.json"), "--only", "executor,env"
@@ -243,6 +244,7 @@ def test_the_worker_row_pipelines_and_answers_every_batch(
     np.testing.assert_allclose(rows, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 def test_pipelined_section_on_the_cpu(tmp_path: Path) -> None:
     code, doc = gpu_check(tmp_path, "--quick", "--only", "pipelined", timeout=300)
     assert code == 0, doc["sections"]

@@ -113,9 +113,14 @@ def test_unfetchable_pretrained_weights_fail_with_one_line(tiny_config: Path) ->
     ("args", "named"),
     [
         (["--model", "ViT-Nope"], "--model"),
-        (["--precision", "fp16", "--gpus", "cpu", "--backend", "torch"], "--precision fp16"),
-        (["--backend", "tensorflow"], "--backend"),
-        (["--gpus", "3", "--backend", "torch"], "--gpus"),
+        # A process each (~7 s): the default run keeps one, CI runs the rest (make test-slow).
+        pytest.param(
+            ["--precision", "fp16", "--gpus", "cpu", "--backend", "torch"],
+            "--precision fp16",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(["--backend", "tensorflow"], "--backend", marks=pytest.mark.slow),
+        pytest.param(["--gpus", "3", "--backend", "torch"], "--gpus", marks=pytest.mark.slow),
         (["--max-batch-size", "0"], "--max-batch-size"),
     ],
 )

@@ -154,6 +154,7 @@ def test_bodies_in_flight_are_bounded(serve: Serve) -> None:
     held[3].close()
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 def test_drain_timeout_answers_503_json_with_one_log_line_each(
     tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
 ) -> None:

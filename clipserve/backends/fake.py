@@ -52,6 +52,7 @@ from clipserve.backends.base import (
     l2_normalise_rows,
     normalisation_affine,
 )
+from clipserve.backends.stacking import stack
 from clipserve.errors import ExecutorFatal, StartupError
 
 if TYPE_CHECKING:
@@ -143,7 +144,7 @@ class FakeExecutor:
         return self._device(batch)
 
     def launch(self, arrays: Sequence[np.ndarray], normalize: np.ndarray) -> object:
-        batch = np.stack(arrays)  # the host's share of a batch: assembling it
+        batch = stack(arrays)  # the host's share of a batch: assembling it, as the real ones do
         check_batch(batch, self.spec)
         with self._lock:
             self.attempts.append(len(batch))

@@ -16,6 +16,7 @@ slot ring and launch/wait exactly as a GPU does. The CPU's worker still calls `r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -41,6 +42,7 @@ from clipserve.backends.device import (
     is_cpu,
     is_cuda,
 )
+from clipserve.backends.stacking import stack_into
 from clipserve.backends.torch_device import DeviceLayer, Event, Stream, device_layer
 from clipserve.config import resolve_workers
 from clipserve.errors import StartupError
@@ -224,7 +226,7 @@ class TorchExecutor:
 
     def _enqueue(self, slot: _Slot, arrays: Sequence[np.ndarray], normalize: np.ndarray) -> None:
         n = len(arrays)
-        np.stack(arrays, out=slot.host_in.numpy()[:n])  # straight into staging memory
+        stack_into(arrays, slot.host_in.numpy())  # straight into staging memory
         self._copy_in(slot, n, normalize, with_pixels=True)
         self._compute(slot, slot.device_in[:n])
 
@@ -340,6 +342,9 @@ class TorchExecutor:
         return self.layer.memory()
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):  # batches in flight still use the slots' memory
+            self.copy_stream.synchronize()
+            self.stream.synchronize()
         del self.visual
         with self._slots_lock:
             self._free = []

@@ -294,6 +294,7 @@ class DeviceWorker:
         """On the device thread: queue the batch on the device, and its wait on the completion
         thread. A failure (out of memory, for one) is answered to the loop at once."""
         assert self.asynchronous is not None and self._waiter is not None
+        handle: object = None
         try:
             if batch.decoded is not None:
                 assert self.launches_pixels is not None
@@ -303,6 +304,9 @@ class DeviceWorker:
             batch.launched_at = time.perf_counter()
             self._waiter.submit(self._wait, batch, handle, loop)
         except Exception as exc:
+            if handle is not None:  # launched, its wait not queued (stopping): its staging
+                with contextlib.suppress(Exception):  # must not be reused while it computes
+                    self.asynchronous.wait(handle)
             _land(loop, batch, (None, None, 0.0, exc))
 
     def _wait(self, batch: _Batch, handle: object, loop: asyncio.AbstractEventLoop) -> None:

@@ -89,7 +89,10 @@ print("cuda initialised:", torch.cuda.is_initialized())
 """
 
 
-@pytest.mark.parametrize("backend", ["torch", "ort-cpu"])
+@pytest.mark.parametrize(
+    "backend",
+    ["torch", pytest.param("ort-cpu", marks=pytest.mark.slow)],  # ORT's: CI runs it
+)
 def test_cpu_path_never_initialises_cuda(
     backend: str, tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
 ) -> None:

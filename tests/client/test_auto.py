@@ -59,6 +59,7 @@ def test_auto_falls_back_to_local_when_nothing_listens(
     assert url in warning and "embedding locally" in warning
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 def test_auto_finishes_locally_when_the_server_dies_mid_run(
     tiny_config: Path,
     tiny_checkpoint: Path,

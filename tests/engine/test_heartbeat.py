@@ -239,6 +239,7 @@ def test_a_stopped_engine_fails_readiness_is_killed_and_replaced(server: Server)
     assert _gauges(server, "clipserve_heartbeat_age_seconds")['process="engine"'] < TIMEOUT_S
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 def test_a_device_call_that_never_returns_gets_the_engine_replaced(server: Server) -> None:
     """The engine's loop beats on; its worker's batch is past due (its measured time, about
     20 ms, plus the timeout): the request fails 503 when the engine is killed, not at its
@@ -255,6 +256,7 @@ def test_a_device_call_that_never_returns_gets_the_engine_replaced(server: Serve
     assert after == before + 1
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 def test_front_ends_report_a_silent_engine_while_nobody_replaces_it(server: Server) -> None:
     """With the supervisor stopped too, every front end's own view: not ready, workers dead,
     new requests 503 at once; past the restart deadline (2 x the timeout), not live either."""
@@ -285,6 +287,7 @@ def test_front_ends_report_a_silent_engine_while_nobody_replaces_it(server: Serv
     _replaced(server, engine)
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 def test_a_stopped_front_end_is_replaced_while_the_other_serves(server: Server) -> None:
     held = server.spread(per_front_end=2)
     victim, survivor = list(held)

@@ -348,6 +348,7 @@ def test_tensors_over_the_global_queue_are_refused_and_leave_nothing_held(server
         response.read()
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 def test_a_killed_front_end_fails_only_its_requests_and_comes_back(server: Server) -> None:
     held = server.spread(per_front_end=3)
     victim, survivor = list(held)

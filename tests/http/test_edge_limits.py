@@ -163,6 +163,7 @@ def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 def test_a_reconnect_storm_stays_within_the_socket_budget_and_probes_never_see_a_reset(
     tiny_config: Path, tmp_path: Path
 ) -> None:

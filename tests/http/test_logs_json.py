@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.helpers import PNG, cli_server, marked_png
 
@@ -101,6 +102,7 @@ def test_one_process_writes_json_lines_and_an_access_line_per_request(
     assert any(e["logger"].startswith("uvicorn") for e in entries), "uvicorn's lines"
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 def test_every_process_of_workers_writes_json_with_its_role(
     tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
 ) -> None:

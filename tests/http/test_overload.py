@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 
 from tests.helpers import (
     PNG,
@@ -109,6 +110,7 @@ def test_requests_that_cannot_finish_by_their_deadline_are_refused_at_once(serve
     assert fake.items_run == 1 + len(ok)  # nothing was computed for a request that failed
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 def test_bodies_are_parsed_only_once_admitted(serve: Serve) -> None:
     """Admission comes before parsing on every door, so parsing in the pool is bounded by the
     queues too: with the image queue full a malformed msgpack body on /embed and a malformed

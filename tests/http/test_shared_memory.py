@@ -237,6 +237,7 @@ def _infer(
     return 200, parsed
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 def test_with_workers_a_region_registered_on_one_front_end_serves_every_one(
     tiny_config: Path, tmp_path: Path, regions: list[Any]
 ) -> None:

@@ -256,6 +256,7 @@ def test_otel_endpoint_must_be_a_url() -> None:
     assert load_config({}, environ={}).http.otel_endpoint == ""  # off by default
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 @needs_otel
 def test_each_front_end_exports_its_own_spans(
     tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path, collector: Collector

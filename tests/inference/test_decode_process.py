@@ -142,6 +142,7 @@ def test_a_child_that_cannot_start_is_a_startup_error() -> None:
         DecodeProcess(SPEC, LIMITS, "cuda:3").wait_ready(60)
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 def test_two_devices_decode_in_a_process_each_and_serve_the_cpu_paths_embeddings(
     serve: Serve,
 ) -> None:

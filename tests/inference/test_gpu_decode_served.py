@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 from PIL import Image
 
 from tests.helpers import (
@@ -71,6 +72,7 @@ def test_an_image_the_device_cannot_decode_fails_alone(serve: Serve) -> None:
     assert max(server.state.runtime.executors[0].batches) >= 2  # decoded and run as a batch
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 def test_front_ends_pass_jpeg_bytes_to_the_engine_through_their_slots(
     tiny_config: Path, tmp_path: Path
 ) -> None:

@@ -95,6 +95,7 @@ def test_one_process_decodes_with_the_setting(serve: Serve) -> None:
         _served_crop_is(server.url, server.state.runtime.model.preprocess, margin)
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 def test_front_ends_decode_with_the_setting(
     tiny_config: Path, tiny_checkpoint: Path, serve: Serve, tmp_path: Path
 ) -> None:

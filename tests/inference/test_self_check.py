@@ -57,6 +57,7 @@ def test_wrong_numbers_fail_and_strict_keeps_the_server_unready(serve: Serve) ->
     assert httpx.get(off.url + "/info").json()["self_check"]["status"] == "skipped"
 
 
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
 def test_strict_failure_reaches_every_front_end(tiny_config: Path, tmp_path: Path) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "clipserve", "--workers", "2", "--backend", "fake"]
