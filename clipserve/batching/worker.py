@@ -119,6 +119,10 @@ class DeviceWorker:
         self._thread = thread or ThreadPoolExecutor(
             1, thread_name_prefix=f"clipserve-{self.device}"
         )
+        # Launched batches nobody will wait for (the waiter stopped first): held, not waited
+        # for (a batch that never finishes would hang the stop), so their memory is not
+        # reused under them; at most the batches launched while stopping.
+        self._abandoned: list[object] = []
         self._waiter = (
             ThreadPoolExecutor(
                 1,
@@ -305,8 +309,7 @@ class DeviceWorker:
             self._waiter.submit(self._wait, batch, handle, loop)
         except Exception as exc:
             if handle is not None:  # launched, its wait not queued (stopping): its staging
-                with contextlib.suppress(Exception):  # must not be reused while it computes
-                    self.asynchronous.wait(handle)
+                self._abandoned.append(handle)  # stays allocated while it may still compute
             _land(loop, batch, (None, None, 0.0, exc))
 
     def _wait(self, batch: _Batch, handle: object, loop: asyncio.AbstractEventLoop) -> None:

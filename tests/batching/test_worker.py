@@ -359,3 +359,38 @@ def test_cuda_launch_and_wait_match_run_and_own_their_rows(
     assert as_async(executor) is executor
     _torch_parity(executor, 5)
     executor.close()
+
+
+def test_a_batch_launched_after_the_waiter_stopped_is_held_and_failed() -> None:
+    """Stopping: a launch the device thread still runs after the completion thread is gone has
+    no one to wait for it; its handle (and staging) is kept, not dropped under the device, and
+    its items fail rather than hang."""
+    from clipserve.batching.worker import _Batch
+
+    async def main() -> None:
+        fake = FakeExecutor(SPEC_32, 16, "sim:0", stream=True, latency_ms=50)
+        worker = DeviceWorker(
+            fake,
+            BatchQueue(),
+            max_batch_size=4,
+            max_delay_s=0.0,
+            metrics=Metrics(),
+            pipeline_depth=2,
+        )
+        loop = asyncio.get_running_loop()
+        assert worker._waiter is not None
+        worker._waiter.shutdown(wait=True)
+        batch = _Batch([], time.perf_counter(), np.ones(2, dtype=bool), landed=loop.create_future())
+        arrays = [marked_array(1), marked_array(2)]
+        batch.items = [
+            WorkItem(a, True, f"b{i}", loop.create_future(), None, 0.0)
+            for i, a in enumerate(arrays)
+        ]  # type: ignore[arg-type]
+        worker._launch(batch, loop)
+        rows, block, _, error = await asyncio.wait_for(batch.landed, 5)
+        assert rows is None and block is None and isinstance(error, RuntimeError)
+        assert len(worker._abandoned) == 1
+        assert np.asarray(fake.wait(worker._abandoned[0])).shape == (2, 16)  # still computing then
+        await worker.stop()
+
+    asyncio.run(main())
