@@ -369,14 +369,7 @@ def test_a_batch_launched_after_the_waiter_stopped_is_held_and_failed() -> None:
 
     async def main() -> None:
         fake = FakeExecutor(SPEC_32, 16, "sim:0", stream=True, latency_ms=50)
-        worker = DeviceWorker(
-            fake,
-            BatchQueue(),
-            max_batch_size=4,
-            max_delay_s=0.0,
-            metrics=Metrics(),
-            pipeline_depth=2,
-        )
+        worker = Harness(fake, depth=2, max_batch_size=4).worker
         loop = asyncio.get_running_loop()
         assert worker._waiter is not None
         worker._waiter.shutdown(wait=True)
