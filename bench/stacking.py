@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import machine, rotated, spread, timed, utc_now, write_report
-from clipserve.backends.stacking import stack, stack_into, threads_for, usable_cores
+from clipserve.backends.stacking import stack, stack_into, threads_for
+from clipserve.config import resolve_workers
 
 SHAPE = (224, 224, 3)
 
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "stacking",
         "time": utc_now(),
         "machine": machine(),
-        "usable_cores": usable_cores(),
+        "usable_cores": resolve_workers(0),
         "rounds": args.rounds,
         "repeat": args.repeat,
         "sizes": {},
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         report["sizes"][str(n)] = {  # type: ignore[index]
             "megabytes": round(n * int(np.prod(SHAPE)) / 1e6, 1),
-            "threads": threads_for(n * int(np.prod(SHAPE)), usable_cores()),
+            "threads": threads_for(n * int(np.prod(SHAPE)), resolve_workers(0)),
             "ms": {name: spread(values, 3) for name, values in ms.items()},
             "np_stack_over_chunked": ratios,
         }

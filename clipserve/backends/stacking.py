@@ -16,18 +16,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
+from clipserve.config import resolve_workers
+
 CHUNK_BYTES = 4 << 20  # smaller chunks would not repay a pool round trip (tens of microseconds)
 MAX_THREADS = 4  # host memory bandwidth, not cores, bounds a copy; the rest serve requests
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (a server pinned to one core copies on one thread)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def threads_for(nbytes: int, cores: int) -> int:
@@ -58,7 +53,8 @@ def stack_into(arrays: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
     batch is large; the calling thread copies one chunk itself. Returns `out[:n]`."""
     n = len(arrays)
     dest = out[:n]
-    threads = threads_for(n * arrays[0].nbytes, usable_cores()) if n else 1
+    # The cores this process may run on: a server pinned to one core copies on one thread.
+    threads = threads_for(n * arrays[0].nbytes, resolve_workers(0)) if n else 1
     if threads == 1:
         np.stack(arrays, out=dest)
         return dest
