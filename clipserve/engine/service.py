@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import gc
 import logging
 import os
 import signal
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from clipserve import collector
 from clipserve.batching import Batcher, Ticket, TowerKind
 from clipserve.config import ServerConfig
 from clipserve.engine import wire
@@ -123,10 +123,10 @@ class EngineService:
         log.info(
             "engine serving %s with %s on %s", runtime.model.identity, runtime.backend, devices
         )
-        gc.freeze()  # as in the app: startup's objects out of the collector's sight
         on_ready()
         try:
-            await stop.wait()
+            with collector.serving():  # as in the app
+                await stop.wait()
         finally:
             pusher.cancel()
             beating.cancel()

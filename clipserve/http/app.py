@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -19,7 +18,7 @@ from starlette.middleware.exceptions import ExceptionMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp
 
-from clipserve import errors
+from clipserve import collector, errors
 from clipserve.batching.tower import Tower
 from clipserve.config import ServerConfig
 from clipserve.engine.messages import ModelCard
@@ -209,16 +208,11 @@ def create_app(
                 metrics.self_check_min_cosine.set(checked["min_cosine"])
             devices = ", ".join(rt.devices)
             log.info("serving %s with %s on %s", rt.model.identity, rt.backend, devices)
-            # What startup built (the model, torch: ~400k objects) lives as long as the server.
-            # Out of the collector's sight, full collections under load stop stalling the loop
-            # 0.3-0.8 s (bench/goodput.py: p99 of 503s 830 -> 15 ms).
-            gc.freeze()
             try:
-                with _access_running(access):
+                with collector.serving(), _access_running(access):
                     async with _grpc_serving(app, pipeline, access, front_end is not None):
                         yield {"pipeline": pipeline}
             finally:
-                gc.unfreeze()
                 pool.shutdown(wait=True)
                 budget.close()
                 metrics.deferred.flush()  # under --workers N, others read this one's files
