@@ -184,14 +184,16 @@ class AcceptGate:
         self._scheduled = False
         if self.paused or self.closed:
             return
+        # Failed TLS handshakes count until their protocols are collected
+        # (Refusals.unmade_soon): collect, and decide once their callbacks have run. A young
+        # collection every time (a handshake that just failed lies there, and while serving
+        # young collections are rare by design, collector.py); a full one once per interval.
         if time.monotonic() - self._collected >= COLLECT_INTERVAL_S:
-            # Failed TLS handshakes count until their protocols are collected
-            # (Refusals.unmade_soon): collect, and decide once their callbacks have run.
             self._collect()
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._pause_if_full)
-            return
-        self._close_listeners()
+        else:
+            gc.collect(1)
+        self._scheduled = True
+        asyncio.get_running_loop().call_soon(self._pause_if_full)
 
     def _collect(self) -> None:
         # A full collection: tens of ms with torch loaded, so at most one per interval; a
