@@ -33,6 +33,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from clipserve.config import HttpConfig
 from clipserve.errors import StartupError
+from clipserve.http.buffered import BufferedReads
 from clipserve.http.connections import (
     AcceptGate,
     Refusals,
@@ -332,12 +333,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._linger_timer = self.loop.call_later(min(LINGER_IDLE_S, remaining), self._linger_check)
 
 
-def protocol_class(config: HttpConfig) -> type[GuardedHttpProtocol]:
+def protocol_class(config: HttpConfig) -> type[BufferedReads]:
     """A protocol class bound to these limits, with its own refusal count (one per server)."""
     refusals = Refusals(config.max_connections)
-    return type(
+    guarded = type(
         "ClipserveHttpProtocol", (GuardedHttpProtocol,), {"limits": config, "refusals": refusals}
     )
+    return type("ClipserveConnection", (BufferedReads,), {"inner": guarded})
 
 
 # uvicorn's loggers without handlers of their own, passing their records to the root's.
@@ -417,8 +419,8 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        protocol = self.config.http_protocol_class
-        if self.started and issubclass(protocol, GuardedHttpProtocol):
+        protocol = getattr(self.config.http_protocol_class, "inner", None)
+        if self.started and protocol is not None and issubclass(protocol, GuardedHttpProtocol):
             self.gate = protocol.refusals.gate = AcceptGate(self, protocol.refusals)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
