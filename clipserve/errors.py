@@ -145,6 +145,14 @@ class RequestTimeout(ClipserveError):
     code = "timeout"
 
 
+class BodyTimeout(RequestTimeout):
+    """The request's body did not arrive within its deadline: the client's delay, not the
+    server's: RFC 9110's 408 (nginx logs a timed-out body read as 408 too), where a 5xx would
+    page on-call for a slow or stalled client."""
+
+    code = "body_timeout"
+
+
 class ExecutorFailed(ClipserveError):
     """The executor raised while running a batch; the detail is logged, never sent."""
 

@@ -29,7 +29,8 @@ class Overloaded(ClientError):
 
 
 class RequestTimedOut(ClientError):
-    """A request outlived its deadline: the server answered 504, or no answer came in time."""
+    """A request outlived its deadline: the server answered 504 (or 408: the body reached it too
+    slowly), or no answer came in time."""
 
 
 class ServerGone(ClientError):

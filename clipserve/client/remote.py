@@ -4,10 +4,10 @@ retries what is safe to retry and turns every other answer into the client's own
 
 Embedding is idempotent, so any request may be sent again: after a refused or reset
 connection or a proxy's 502, and after 503/429 (no sooner than `Retry-After`). A timeout
-(504, or no answer within the deadline) is not retried: the deadline is spent, and resending
-would add load to a server that is already slow. In a list one bad image fails the server's
-whole request, naming it (`item N: ...`); that item is set aside and the rest sent again, so
-every good item is embedded.
+(504 or 408, or no answer within the deadline) is not retried: the deadline is spent, and
+resending would add load to a server that is already slow. In a list one bad image fails the
+server's whole request, naming it (`item N: ...`); that item is set aside and the rest sent
+again, so every good item is embedded.
 """
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ def _refused(refusal: wire.Refusal, items: int, what: str, splittable: bool) -> 
     status = refusal.status
     if status == 401:
         return Unauthorized(f"{what}: {refusal.message}")
-    if status == 504:
+    if status in (408, 504):  # the body sent too slowly, or the answer too late
         return RequestTimedOut(f"{what}: {refusal.message}")
     if status in ITEM_STATUSES and items:
         if refusal.item is not None and 0 <= refusal.item < items:

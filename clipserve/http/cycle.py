@@ -167,7 +167,7 @@ class _LingeringClose(_Passing):
 
 class EarlyAnswerCycle(Cycle):
     """A request whose body was still arriving when its handler could first run. An answer
-    that starts before the body has fully arrived (413, 504, ...) ends the connection:
+    that starts before the body has fully arrived (413, 408, ...) ends the connection:
     `connection: close`, then a lingering close so the client can read it."""
 
     async def send(self, message: ASGISendEvent) -> None:

@@ -137,7 +137,8 @@ class Pipeline(Generic[TicketT]):
                 async with asyncio.timeout(timeout_s):
                     work, done = await self._walk(exchange, call, ctx)
             except TimeoutError:
-                raise timed_out(timeout_s, server_s, exchange.deadline_name) from None
+                name = exchange.deadline_name
+                raise timed_out(timeout_s, server_s, name, in_body=not ctx.body_read) from None
             finally:
                 self.body_budget.release(ctx.reserved_bytes)
             with ctx.timer.measure("encode"):
@@ -164,7 +165,7 @@ class Pipeline(Generic[TicketT]):
         with ctx.timer.measure("receive"):
             limit = self.config.limits.max_body_bytes
             body = await exchange.body(limit, self.body_budget, ctx)
-        ctx.body_bytes = len(body)
+        ctx.body_bytes, ctx.body_read = len(body), True
         # `admitted`'s steps, spelled out on this per-request path (no generator to drive).
         held = Admitted(await self.towers[call.tower].reserve(1, ctx.deadline), 1)
         try:

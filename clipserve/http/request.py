@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from starlette.types import Receive
 
-from clipserve.errors import InvalidHeader, Overloaded, RequestTimeout
+from clipserve.errors import BodyTimeout, InvalidHeader, Overloaded, RequestTimeout
 from clipserve.http.timing import StageTimer
 
 T = TypeVar("T")
@@ -26,6 +26,7 @@ class RequestContext:
     deadline: float  # time.perf_counter() by which the answer must be ready
     gone: Callable[[], Awaitable[None]]  # returns once the client has gone away
     body_bytes: int = 0
+    body_read: bool = False  # the whole body has arrived: a deadline passing now is a 504
     reserved_bytes: int = 0  # share of --max-body-bytes-in-flight held until the request ends
     # The connection's own disconnect signal where the server gives one (uvicorn through
     # GuardedHttpProtocol): the wait for the answer then needs no watcher task.
@@ -146,10 +147,15 @@ async def unless_gone(
     return result
 
 
-def timed_out(timeout_s: float, server_s: float, deadline_name: str) -> RequestTimeout:
+def timed_out(
+    timeout_s: float, server_s: float, deadline_name: str, *, in_body: bool = False
+) -> RequestTimeout:
     """The error of a request past its deadline, naming the limit that set it: the client's
-    own (`deadline_name`: its header, or gRPC's deadline) where shorter than the server's."""
+    own (`deadline_name`: its header, or gRPC's deadline) where shorter than the server's.
+    `in_body`: it passed while the body was still arriving, a `BodyTimeout` (408)."""
     limit = deadline_name if timeout_s < server_s else "--request-timeout-s"
+    if in_body:
+        return BodyTimeout(f"request body not received within {timeout_s:g} s ({limit})")
     return RequestTimeout(f"request took longer than {timeout_s:g} s ({limit})")
 
 

@@ -34,6 +34,7 @@ STATUS: dict[type[errors.ClipserveError], int] = {
     errors.NotReady: 503,
     errors.InvalidHeader: 400,
     errors.RequestTimeout: 504,
+    errors.BodyTimeout: 408,
     errors.ExecutorFailed: 500,
     errors.NonFiniteEmbedding: 422,
 }

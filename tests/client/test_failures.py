@@ -117,3 +117,18 @@ def test_the_retry_policy_backs_off_exponentially_with_jitter() -> None:
     assert parse_retry_after("Wed, 01 Jan 2025 12:00:05 GMT", now) == 5
     assert parse_retry_after("7") == 7
     assert parse_retry_after("soon") is None and parse_retry_after(None) is None
+
+
+@pytest.mark.parametrize(
+    ("status", "code"), [(408, "body_timeout"), (504, "timeout"), (500, "internal")]
+)
+def test_a_body_or_answer_past_the_deadline_is_a_request_timeout(status: int, code: str) -> None:
+    """408 (the body arrived too slowly: a stalled upload) and 504 (the answer came too late)
+    both spend the deadline: neither is retried, both are `RequestTimedOut`; a 500 is not."""
+    from clipserve.client.remote import _refused
+    from clipserve.client.wire import Refusal
+    from clipserve.protocol.responses import encode_error
+
+    refusal = Refusal.of(status, encode_error(code, "request body not received within 1 s"))
+    error = _refused(refusal, items=1, what="POST /embed", splittable=False)
+    assert isinstance(error, RequestTimedOut) == (status != 500), error

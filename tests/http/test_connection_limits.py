@@ -24,6 +24,7 @@ from tests.helpers import (
     RunningServer,
     Serve,
     make_config,
+    model_name,
     png_bytes,
     random_pixels,
     running,
@@ -182,16 +183,33 @@ def test_urllib_sending_an_oversized_body_reads_the_413(server: RunningServer) -
     assert error_code(refused.value.read()) == "payload_too_large"
 
 
-def test_504_while_the_body_is_still_arriving_closes_the_connection(
-    server: RunningServer,
+STALLED_BODIES = {  # each door's inference route, its media type, and where its error code is
+    "native": (b"/embed", b"image/png", lambda e: e["error"]["code"]),
+    "openai": (b"/v1/embeddings", b"application/json", lambda e: e["error"]["code"]),
+    "kserve": (b"/v2/models/{name}/infer", b"application/json", None),
+}
+
+
+@pytest.mark.parametrize("door", list(STALLED_BODIES))
+def test_a_body_still_arriving_at_the_deadline_gets_408_and_the_connection_closes(
+    server: RunningServer, door: str
 ) -> None:
+    """The client's delay, not the server's: 408 (RFC 9110: the request did not arrive in
+    time), in the door's own error shape, and the connection closes. Not a 504, a server's."""
+    path, media, code_of = STALLED_BODIES[door]
+    path = path.replace(b"{name}", model_name(server).encode())
     sock = connect(server)
     sock.sendall(
-        b"POST /embed HTTP/1.1\r\nHost: t\r\nContent-Type: image/png\r\n"
-        b"Content-Length: 100000\r\n\r\n" + b"\x89PNG" * 4
+        b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Type: %s\r\n"
+        b"Content-Length: 100000\r\n\r\n" % (path, media) + b"\x89PNG" * 4
     )
     status, headers, body = read_response(sock)
-    assert status == 504 and error_code(body) == "timeout", body
+    assert status == 408, body
+    error = json.loads(body)
+    if code_of is None:  # KServe's shape: the message alone
+        assert error["error"].startswith("request body not received within 1 s"), error
+    else:
+        assert code_of(error) == "body_timeout", error
     assert headers["connection"] == "close"
     assert closed_within(sock, 2.5)
 

@@ -38,7 +38,7 @@ def _too_large(declared: str | None = None) -> PayloadTooLarge:
 
 async def _body(request: Request, server_s: float) -> bytes:
     """The register request's small body, within the deadline of every body (--request-timeout-s,
-    or a shorter X-Request-Timeout-Ms): a client that stalls mid-body gets a 504, as on /embed,
+    or a shorter X-Request-Timeout-Ms): a client that stalls mid-body gets a 408, as on /embed,
     and its connection closes (http/cycle.py's EarlyAnswerCycle), so it holds no connection."""
     declared = request.headers.get("content-length", "")
     if declared_over(declared, MAX_REGISTER_BODY):
@@ -52,7 +52,7 @@ async def _body(request: Request, server_s: float) -> bytes:
                 if len(body) > MAX_REGISTER_BODY:
                     raise _too_large()
     except TimeoutError:
-        raise timed_out(timeout_s, server_s, AsgiExchange.deadline_name) from None
+        raise timed_out(timeout_s, server_s, AsgiExchange.deadline_name, in_body=True) from None
     return body
 
 
