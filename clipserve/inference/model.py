@@ -74,8 +74,9 @@ class LoadedModel:
         return int(self._tokenize([""], self.context_length)[0, -1])
 
     def _tokenize(self, texts: list[str], context_length: int) -> np.ndarray:
-        # open_clip's BPE cache keeps every distinct word it has seen (~6 KB each): a stream of
-        # random words would grow it without bound, so it starts over past a fixed size.
+        # open_clip's BPE cache keeps every distinct word it has seen (150-220 bytes each, so
+        # ~10 MiB at the cap: bench/soak.py's tracemalloc run): a stream of random words would
+        # grow it without bound, so it starts over past a fixed size.
         # The lock costs no parallelism (the tokenizer is pure Python, holding the GIL) and
         # keeps a clear from racing another thread's cache lookup.
         with self._tokenizer_lock:
