@@ -52,17 +52,17 @@ import psutil  # type: ignore[import-untyped]
 
 from bench.common import REPO, machine, say, utc_now, write_report
 from bench.frontend.cli import FAKE_CONFIG
+from bench.frontend.load import requests_of
 from bench.frontend.servers import affinity, clipserve, fake_flags, role, split_cpus, start
 from clipserve.engine.slots import segment_prefix, shm_dir
 from clipserve.loadgen.images import jpeg
 
 MIB = 1 << 20
-TENSOR = 224 * 224 * 3
-TENSOR_HEADERS = {
-    "Content-Type": "application/octet-stream",
-    "X-Tensor-Dtype": "uint8",
-    "X-Tensor-Shape": "1,224,224,3",
-}
+# The raw-tensor request every front-end bench sends (one 224x224 crop): its headers, and its
+# body as the base each tensor here varies.
+_TENSOR = requests_of("raw-tensor")[0]
+TENSOR_HEADERS = dict(_TENSOR.headers)
+TENSOR = len(_TENSOR.body)
 # Request kinds, their rough weights, and the statuses each may get ("closed": no answer read).
 MIX: dict[str, tuple[int, frozenset[str]]] = {
     "tensor": (30, frozenset({"200"})),
@@ -109,7 +109,7 @@ class Payloads:
 
     def __init__(self, max_body: int, model: str) -> None:
         self.rng = random.Random(0)
-        self.base = np.random.default_rng(0).integers(0, 256, TENSOR, np.uint8).tobytes()
+        self.base = _TENSOR.body
         sizes = [(320, 240), (640, 480), (256, 256), (480, 640)]
         self.jpegs = [jpeg(*sizes[s % 4], seed=s) for s in range(48)]
         self.max_body, self.model, self.n = max_body, model, 0
