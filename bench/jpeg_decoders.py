@@ -19,6 +19,8 @@ JPEG requests per core, today's Pillow path against the fast path (inference/jpe
   scales   round 3: simplejpeg's n/8 DCT scales, each one's decode cost on the 640x480 image
            (interleaved, thread CPU time) and its parity with open_clip on the photos.
 
+Round 7 (--round round_7 --sections served --rounds 9 --served-seconds 3): the served rows on
+another machine (an AMD EPYC; rounds 1 to 6 ran on an Intel Xeon).
 Round 6 (--round round_6 --sections served): round 4's rows and the fast path under
 `--jpeg-scaling fast` (decoding to the model's size, as Pillow's draft did).
 Round 4 (--round round_4): `attribution`, `passes` (bench/jpeg_serve.py); `served`: two rows.

@@ -61,6 +61,11 @@ def parser() -> argparse.ArgumentParser:
         "--cost-before-workers", default="1", help="front ends of the --cost-before-tree servers"
     )
     p.add_argument(
+        "--cost-bare",
+        action="store_true",
+        help="cost section: also the floor's answer from a bare httptools protocol (no ASGI)",
+    )
+    p.add_argument(
         "--cost-tree", type=Path, help="cost section: the checkout measured (default: this one)"
     )
     p.add_argument("--payloads", default="tensor,jpeg", help="cost section: tensor, jpeg")

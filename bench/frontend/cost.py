@@ -19,6 +19,7 @@ from bench.frontend.profile import profile
 from bench.frontend.servers import (
     Server,
     affinity,
+    bare,
     clipserve,
     fake_flags,
     floor,
@@ -51,6 +52,8 @@ def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
         clipserve(f"clipserve-w{n}", [*fake_flags(model), "--workers", str(n)], a.cost_tree)
         for n in a.cost_workers
     ]
+    if a.cost_bare:
+        servers.insert(1, bare())
     skipped_early: dict[str, str] = {}
     if "tensor" in kinds:  # Triton's front end beside them, where its interpreter is set up
         python = a.pytriton_python or (REPO / ".pytriton" / "bin" / "python")

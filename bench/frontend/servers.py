@@ -65,6 +65,12 @@ def floor() -> Server:
     return Server("floor", [*argv, "--log-level", "warning", "--no-access-log"], clipserve=False)
 
 
+def bare() -> Server:
+    """The floor's answer from a bare httptools protocol (bench/frontend/bare.py)."""
+    argv = ["-m", "bench.frontend.bare"]
+    return Server("bare", argv, clipserve=False)
+
+
 def fake_flags(model: Path, *options: str) -> list[str]:
     flags = ["--backend", "fake", "--pretrained", "none", "--model", str(model), "--gpus", "cpu"]
     for o in ("compute=0", *options):

@@ -1,0 +1,69 @@
+"""`bench/frontend/bare.py`, the protocol below the floor: it must answer what the floor
+answers, over keep-alive, pipelined and chunked requests, or its CPU per request measures
+something else."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+import uvloop
+
+from bench.frontend.bare import Bare
+from bench.frontend.floor import ANSWER
+
+
+@pytest.fixture
+def port() -> Iterator[int]:
+    loop = uvloop.new_event_loop()
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = loop.run_until_complete(loop.create_server(Bare, sock=sock))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        loop.call_soon_threadsafe(server.close)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def test_answers_the_floors_body_on_a_kept_alive_connection(port: int) -> None:
+    with contextlib.closing(http.client.HTTPConnection("127.0.0.1", port, timeout=5)) as conn:
+        _ask(conn)
+
+
+def _ask(conn: http.client.HTTPConnection) -> None:
+    for body in (b"x" * 150_528, b"", b"y"):
+        conn.request("POST", "/embed", body=body)
+        answer = conn.getresponse()
+        assert (answer.status, answer.read()) == (200, ANSWER)
+    conn.request("GET", "/readyz")
+    assert conn.getresponse().read() == b"ok"
+    conn.request("GET", "/elsewhere")
+    assert conn.getresponse().status == 404
+
+
+def test_pipelined_and_chunked_requests(port: int) -> None:
+    chunked = b"POST /embed HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+    chunked += b"3\r\nabc\r\n0\r\n\r\n"
+    plain = b"POST /embed HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nhi"
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(chunked + plain)
+        received = b""
+        while received.count(ANSWER) < 2:
+            data = s.recv(65536)
+            assert data, "closed before both answers"
+            received += data
+    assert received.count(b"HTTP/1.1 200 OK") == 2
+
+
+def test_a_malformed_request_closes_the_connection(port: int) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        assert s.recv(100) == b""
