@@ -1,20 +1,31 @@
 """`bench/frontend/bare.py`, the protocol below the floor: it must answer what the floor
 answers, over keep-alive, pipelined and chunked requests, or its CPU per request measures
-something else."""
+something else; and `bench/frontend/direct.py`, clipserve's endpoint under it."""
 
 from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import socket
+import subprocess
+import sys
 import threading
+import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import uvloop
 
 from bench.frontend.bare import Bare
+from bench.frontend.cli import FAKE_CONFIG
 from bench.frontend.floor import ANSWER
+from bench.frontend.load import requests_of
+from bench.frontend.servers import _wait_ready, fake_flags
+from clipserve.loadgen.procs import free_port
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -67,3 +78,27 @@ def test_a_malformed_request_closes_the_connection(port: int) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
         assert s.recv(100) == b""
+
+
+@pytest.mark.slow
+def test_direct_serves_embed_through_the_served_pipeline(tmp_path: Path) -> None:
+    """bench/frontend/direct.py answers /embed as clipserve does (a 512-float row from the fake),
+    or the cost section would time something else."""
+    model = tmp_path / "fake-512.json"
+    model.write_text(json.dumps(FAKE_CONFIG))
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.frontend.direct", *fake_flags(model)]
+    argv += ["--cache-mb", "0", "--log-level", "warning", "--port", str(port)]
+    with subprocess.Popen(argv, cwd=REPO) as proc:
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_ready(proc, url + "/readyz", 120, "direct")
+            tensor = requests_of("raw-tensor")[0]
+            ask = urllib.request.Request(url + "/embed", tensor.body, tensor.headers)
+            with urllib.request.urlopen(ask, timeout=10) as answer:
+                rows = json.loads(answer.read())["embeddings"]
+            assert answer.status == 200
+            assert "queue;dur=" in answer.headers["server-timing"]
+            assert [len(row) for row in rows] == [512]
+        finally:
+            proc.terminate()

@@ -11,8 +11,10 @@ each in interleaved rounds (this machine is shared and noisy) with medians and s
               client) to the last; /readyz answers once one front end is up, so load waits until
               all N listen. --cost-before-tree adds a one-process checkout (its fake must know
               compute=0). --cost-bare adds the floor's answer from a bare httptools protocol
-              (bench/frontend/bare.py): what HTTP itself costs, below uvicorn. A py-spy profile (py-spy starts the server: here it may trace only its
-              own descendants) says where each variant's time goes, per process and thread.
+              (bench/frontend/bare.py): what HTTP itself costs, below uvicorn; --cost-direct
+              clipserve's /embed endpoint under it (bench/frontend/direct.py). A py-spy profile
+              (py-spy starts the server: here it may trace only its own descendants) says where
+              each variant's time goes, per process and thread.
               Points with over 1% failed requests stay in the rows, out of the summaries.
   batching    mean batch size (/metrics clipserve_batch_size) at a fixed open-loop rate with a
               20 ms fake batch, N front ends against one: target within 10%.

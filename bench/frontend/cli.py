@@ -66,6 +66,11 @@ def parser() -> argparse.ArgumentParser:
         help="cost section: also the floor's answer from a bare httptools protocol (no ASGI)",
     )
     p.add_argument(
+        "--cost-direct",
+        action="store_true",
+        help="cost section: also clipserve's /embed endpoint under a bare protocol (no ASGI)",
+    )
+    p.add_argument(
         "--cost-tree", type=Path, help="cost section: the checkout measured (default: this one)"
     )
     p.add_argument("--payloads", default="tensor,jpeg", help="cost section: tensor, jpeg")

@@ -21,6 +21,7 @@ from bench.frontend.servers import (
     affinity,
     bare,
     clipserve,
+    direct,
     fake_flags,
     floor,
     pinning,
@@ -54,6 +55,8 @@ def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
     ]
     if a.cost_bare:
         servers.insert(1, bare())
+    if a.cost_direct:
+        servers.append(direct(model))
     skipped_early: dict[str, str] = {}
     if "tensor" in kinds:  # Triton's front end beside them, where its interpreter is set up
         python = a.pytriton_python or (REPO / ".pytriton" / "bin" / "python")

@@ -71,6 +71,12 @@ def bare() -> Server:
     return Server("bare", argv, clipserve=False)
 
 
+def direct(model: Path) -> Server:
+    """clipserve's /embed under a bare protocol (bench/frontend/direct.py)."""
+    argv = ["-m", "bench.frontend.direct", *fake_flags(model), "--cache-mb", "0"]
+    return Server("direct", [*argv, "--log-level", "warning"], clipserve=False)
+
+
 def fake_flags(model: Path, *options: str) -> list[str]:
     flags = ["--backend", "fake", "--pretrained", "none", "--model", str(model), "--gpus", "cpu"]
     for o in ("compute=0", *options):
