@@ -4,7 +4,9 @@ each in interleaved rounds (this machine is shared and noisy) with medians and s
 
   cost        CPU-seconds of every server process (psutil over the tree) per request at
               saturation, for single-image raw uint8 tensors (224x224x3) and 640x480 JPEGs, beside
-              a bare-Starlette floor (bench/frontend/floor.py) in the same rounds; fake backend
+              a bare-Starlette floor (bench/frontend/floor.py) and the same floor with
+              clipserve's heap settings (floor-kept: glibc's otherwise sometimes faults in every
+              body's pages, twice the CPU) in the same rounds, page faults counted; fake backend
               with compute=0, so the fake's own work is O(1) per image. JPEG decode is measured
               offline (per round, on the server's cores) and reported as its own share. Server
               pinned to the first cores, the load generator (wrk, else clipserve-bench's aiohttp

@@ -24,6 +24,7 @@ from bench.frontend.servers import (
     direct,
     fake_flags,
     floor,
+    floor_kept,
     pinning,
     pytriton,
     split_cpus,
@@ -49,7 +50,7 @@ def section_cost(a: argparse.Namespace, model: Path) -> dict[str, Any]:
     server_cpus, client_cpus = split_cpus(a.client_cores)
     payloads = {"tensor": "raw-tensor", "jpeg": "jpeg"}
     kinds = {k: requests_of(payloads[k]) for k in a.payloads}
-    servers = [floor()] + [
+    servers = [floor(), floor_kept()] + [
         clipserve(f"clipserve-w{n}", [*fake_flags(model), "--workers", str(n)], a.cost_tree)
         for n in a.cost_workers
     ]
@@ -123,11 +124,17 @@ def _kinds(server: Server, kinds: dict[str, list[Request]]) -> dict[str, list[Re
 
 
 def _ratios(rows: Rows, servers: list[str], kinds: list[str]) -> dict[str, Any]:
-    """Each server's requests/s over the floor's, and --workers 2's over --workers 1's of the
-    same tree, per round (the two measured minutes apart at most), as medians with spread."""
-    rate = {(x["server"], x["payload"], x["round"]): x["requests_per_s"] for x in rows if clean(x)}
+    """Each server's requests/s and CPU per request over each floor's, and --workers 2's over
+    --workers 1's of the same tree, per round (the two measured minutes apart at most), as
+    medians with spread."""
+    clean_rows = [x for x in rows if clean(x)]
+    rate = {(x["server"], x["payload"], x["round"]): x["requests_per_s"] for x in clean_rows}
+    cpu = {
+        (x["server"], x["payload"], x["round"]): x["server_cpu_ms_per_request"] for x in clean_rows
+    }
     rounds = sorted({x["round"] for x in rows})
-    pairs = [(s, "floor") for s in servers if s != "floor"]
+    floors = [f for f in ("floor", "floor-kept") if f in servers]
+    pairs = [(s, f) for f in floors for s in servers if s not in floors]
     pairs += [(s, s[:-1] + "1") for s in servers if s.endswith("-w2") and s[:-1] + "1" in servers]
     out: dict[str, Any] = {}
     for kind in kinds:
@@ -138,6 +145,12 @@ def _ratios(rows: Rows, servers: list[str], kinds: list[str]) -> dict[str, Any]:
                 if (num, kind, r) in rate and (den, kind, r) in rate
             ]
             out[f"{num} / {den} {kind} requests/s"] = spread(ratios)
+            cpus = [
+                cpu[num, kind, r] / cpu[den, kind, r]
+                for r in rounds
+                if (num, kind, r) in cpu and (den, kind, r) in cpu
+            ]
+            out[f"{num} / {den} {kind} CPU per request"] = spread(cpus)
     return out
 
 
@@ -151,7 +164,7 @@ def _summary(rows: Rows, server: str, kind: str, decode: list[float]) -> dict[st
         "cpu_ms_per_request": spread(ms),
         "requests_per_s": spread([x["requests_per_s"] for x in mine]),
     }
-    if server == "floor":
+    if server in ("floor", "floor-kept"):
         return entry
     own = [
         x["server_cpu_ms_per_request"] - (decode[x["round"]] if kind == "jpeg" else 0) for x in mine

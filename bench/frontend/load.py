@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from bench.frontend.servers import Running, tree_cpu
+from bench.frontend.servers import Running, tree_cpu, tree_faults
 from bench.metrics import scrape
 from clipserve.loadgen.images import load_images
 from clipserve.loadgen.loadgen import LoadSpec
@@ -83,6 +83,7 @@ def saturate(
 ) -> dict[str, Any]:
     """A closed loop at saturation: requests/s and the server tree's CPU per request."""
     before = metrics(r)
+    faults0 = tree_faults(r.root)
     cpu0, client0, t0 = tree_cpu(r.root), _client_cpu_s(), time.time()
     if shutil.which("wrk"):
         answered, failed = _wrk(r.url, reqs[0], seconds, connections, threads)
@@ -91,6 +92,7 @@ def saturate(
         answered, failed = point.completed, point.completed - point.ok
     wall = time.time() - t0
     cpu1, client1 = tree_cpu(r.root), _client_cpu_s()
+    faults = tree_faults(r.root) - faults0
     after = metrics(r)
     per_process = {
         label: round(cpu - cpu0.get(pid, (0.0, ""))[0], 3) for pid, (cpu, label) in cpu1.items()
@@ -105,6 +107,7 @@ def saturate(
         "server_cpu_ms_per_request": round(cpu / ok * 1000, 4),
         "server_cores_busy": round(cpu / wall, 3),
         "client_cores_busy": round((client1 - client0) / wall, 3),
+        "page_faults_per_request": round(faults / ok, 2),
         "cpu_s_by_process": per_process,
     }
     by_role: dict[str, float] = defaultdict(float)

@@ -65,6 +65,22 @@ def floor() -> Server:
     return Server("floor", [*argv, "--log-level", "warning", "--no-access-log"], clipserve=False)
 
 
+def floor_kept() -> Server:
+    """The floor with clipserve's heap settings (http/heap.py) given as glibc's variables: a
+    request body then lands on pages kept from the last, not on new ones. Without them the
+    floor's glibc sometimes maps and faults in every body's pages (37 faults a 150 KB request,
+    about twice the CPU), so the floor alone moves from round to round."""
+    from clipserve.config import ServerConfig
+    from clipserve.http.heap import MMAP_THRESHOLD
+
+    kept = {
+        "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
+        "MALLOC_TRIM_THRESHOLD_": str(ServerConfig().limits.max_body_bytes_in_flight),
+    }
+    s = floor()
+    return Server("floor-kept", s.argv, env={**os.environ, **kept}, clipserve=False)
+
+
 def bare() -> Server:
     """The floor's answer from a bare httptools protocol (bench/frontend/bare.py)."""
     argv = ["-m", "bench.frontend.bare"]
@@ -231,6 +247,17 @@ def tree_cpu(root: psutil.Process) -> dict[int, tuple[float, str]]:
             t = p.cpu_times()
             out[p.pid] = (t.user + t.system, f"{role(p, root)} {p.pid}")
     return out
+
+
+def tree_faults(root: psutil.Process) -> int:
+    """Minor page faults of the process and every descendant so far (Linux; 0 elsewhere): a
+    body that lands on new pages faults once per 4 KiB."""
+    total = 0
+    for p in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error, OSError, IndexError, ValueError):
+            stat = Path(f"/proc/{p.pid}/stat").read_text()
+            total += int(stat.rpartition(")")[2].split()[7])  # minflt, after the name
+    return total
 
 
 def wait_front_ends(root: psutil.Process, n: int, port: int, timeout_s: float = 120) -> None:

@@ -1,12 +1,14 @@
 """`bench/frontend/bare.py`, the protocol below the floor: it must answer what the floor
 answers, over keep-alive, pipelined and chunked requests, or its CPU per request measures
-something else; and `bench/frontend/direct.py`, clipserve's endpoint under it."""
+something else; `bench/frontend/direct.py`, clipserve's endpoint under it; the page faults
+the cost section counts."""
 
 from __future__ import annotations
 
 import contextlib
 import http.client
 import json
+import mmap
 import socket
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import uvloop
 
@@ -22,7 +25,7 @@ from bench.frontend.bare import Bare
 from bench.frontend.cli import FAKE_CONFIG
 from bench.frontend.floor import ANSWER
 from bench.frontend.load import requests_of
-from bench.frontend.servers import _wait_ready, fake_flags
+from bench.frontend.servers import _wait_ready, fake_flags, tree_faults
 from clipserve.loadgen.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -102,3 +105,15 @@ def test_direct_serves_embed_through_the_served_pipeline(tmp_path: Path) -> None
             assert [len(row) for row in rows] == [512]
         finally:
             proc.terminate()
+
+
+def test_tree_faults_counts_new_pages() -> None:
+    """The cost section's page faults a request: touching 16 MiB of fresh memory faults each
+    of its 4 KiB pages once."""
+    me = psutil.Process()
+    before = tree_faults(me)
+    fresh = mmap.mmap(-1, 16 << 20)
+    for offset in range(0, len(fresh), 4096):
+        fresh[offset] = 1
+    fresh.close()
+    assert tree_faults(me) - before >= (16 << 20) // 4096
