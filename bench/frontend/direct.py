@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import http
-from typing import Any, cast
+from typing import Any
 
-import httptools
 import uvloop
 from starlette.routing import Route
 from starlette.types import Message
 
+from bench.frontend.bare import MISSING, READY, Bare
 from clipserve.cli import build_parser
 from clipserve.config import ServerConfig, load_config
 from clipserve.http.app import create_app
@@ -29,9 +29,6 @@ from clipserve.http.door import InferenceEndpoint
 from clipserve.http.doors import DOORS
 from clipserve.http.observer import new_request_id
 from clipserve.inference.runtime import build_runtime
-
-READY = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-type: text/plain\r\n\r\nok"
-MISSING = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
 
 
 def embed_endpoint() -> InferenceEndpoint:
@@ -43,43 +40,24 @@ def embed_endpoint() -> InferenceEndpoint:
     raise LookupError("no /embed route")
 
 
-class Direct(asyncio.Protocol):
+class Direct(Bare):
     """One connection; each request's body gathered, then the endpoint on a task of its own."""
 
     def __init__(self, state: dict[str, Any], endpoint: InferenceEndpoint) -> None:
+        super().__init__()
         self.state = state
         self.endpoint = endpoint
-        self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
-        self.chunks: list[bytes] = []
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's share no base class
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost.set_result(None)
 
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            assert self.transport is not None
-            self.transport.close()
-
     def on_message_begin(self) -> None:
         self.headers = []
 
-    def on_url(self, url: bytes) -> None:
-        self.url = url
-
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))
-
-    def on_body(self, body: bytes) -> None:
-        self.chunks.append(body)
 
     def on_message_complete(self) -> None:
         body = b"".join(self.chunks)
