@@ -3,6 +3,7 @@ thread's functions as µs per request (inclusive and self), beside its CPU per r
 
     python -m bench.frontend.hotspots --server w1 --tree /tmp/clipserve-before > before.txt
     python -m bench.frontend.hotspots --server floor
+    python -m bench.frontend.hotspots --server direct   # /embed under a bare protocol
 
 One core for the server (the first), wrk or the aiohttp client on the last; fake backend with
 compute=0, --cache-mb 0, one 150 KB uint8 tensor per request (bench/frontend/load.py). The
@@ -22,7 +23,18 @@ from pathlib import Path
 
 from bench.frontend.cli import FAKE_CONFIG
 from bench.frontend.load import requests_of, saturate
-from bench.frontend.servers import Server, affinity, clipserve, fake_flags, floor, split_cpus, start
+from bench.frontend.servers import (
+    Server,
+    affinity,
+    bare,
+    clipserve,
+    direct,
+    fake_flags,
+    floor,
+    floor_kept,
+    split_cpus,
+    start,
+)
 
 STARTUP = ("_find_and_load", "build_runtime", "warmup", "load_model")
 
@@ -72,7 +84,11 @@ def report(name: str, row: dict[str, object], raw: Path, top: int) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.frontend.hotspots", description=__doc__)
-    p.add_argument("--server", default="w1", help="floor, w1 or w2 (front ends)")
+    p.add_argument(
+        "--server",
+        default="w1",
+        help="w1 or w2 (front ends), floor, floor-kept, bare or direct (bench/frontend/servers.py)",
+    )
     p.add_argument("--tree", type=Path, help="a checkout to serve from (default: this one)")
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--connections", type=int, default=64)
@@ -82,11 +98,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "fake-512.json"
         model.write_text(json.dumps(FAKE_CONFIG))
-        s: Server = (
-            floor()
-            if a.server == "floor"
-            else clipserve(a.server, [*fake_flags(model), "--workers", a.server[1:]], a.tree)
-        )
+        others = {"floor": floor, "floor-kept": floor_kept, "bare": bare}
+        s: Server
+        if a.server in others:
+            s = others[a.server]()
+        elif a.server == "direct":
+            s = direct(model)
+        else:
+            s = clipserve(a.server, [*fake_flags(model), "--workers", a.server[1:]], a.tree)
         raw = Path(tmp) / "profile.raw"
         reqs = requests_of("raw-tensor")
         with start(s, server_cpus, profile=raw) as r, affinity(client_cpus):
