@@ -21,20 +21,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from bench.frontend import servers
 from bench.frontend.cli import FAKE_CONFIG
 from bench.frontend.load import requests_of, saturate
-from bench.frontend.servers import (
-    Server,
-    affinity,
-    bare,
-    clipserve,
-    direct,
-    fake_flags,
-    floor,
-    floor_kept,
-    split_cpus,
-    start,
-)
+from bench.frontend.servers import Server, affinity, clipserve, fake_flags, split_cpus, start
 
 STARTUP = ("_find_and_load", "build_runtime", "warmup", "load_model")
 
@@ -98,12 +88,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "fake-512.json"
         model.write_text(json.dumps(FAKE_CONFIG))
-        others = {"floor": floor, "floor-kept": floor_kept, "bare": bare}
+        others = {"floor": servers.floor, "floor-kept": servers.floor_kept, "bare": servers.bare}
         s: Server
         if a.server in others:
             s = others[a.server]()
         elif a.server == "direct":
-            s = direct(model)
+            s = servers.direct(model)
         else:
             s = clipserve(a.server, [*fake_flags(model), "--workers", a.server[1:]], a.tree)
         raw = Path(tmp) / "profile.raw"
