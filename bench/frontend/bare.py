@@ -52,15 +52,22 @@ class Bare(asyncio.Protocol):
         self.chunks.append(body)
 
     def on_message_complete(self) -> None:
-        b"".join(self.chunks)  # what a handler would read
+        body = b"".join(self.chunks)  # what a handler would read
         self.chunks = []
-        assert self.transport is not None
         if self.url == b"/embed":
-            self.transport.write(EMBED)
-        elif self.url == b"/readyz":
-            self.transport.write(READY)
+            self.embed(body)
         else:
-            self.transport.write(MISSING)
+            self.answer(READY if self.url == b"/readyz" else MISSING)
+
+    def embed(self, body: bytes) -> None:
+        self.answer(EMBED)
+
+    def answer(self, response: bytes) -> None:
+        """The whole answer in one write; the connection closed after it unless kept alive."""
+        assert self.transport is not None
+        if self.transport.is_closing():
+            return
+        self.transport.write(response)
         if not self.parser.should_keep_alive():
             self.transport.close()
 

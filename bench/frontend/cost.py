@@ -34,6 +34,7 @@ from clipserve.inference.preprocess import ImageDecoder
 from clipserve.loadgen.payloads import ModelInput, Request
 
 Rows = list[dict[str, Any]]
+FLOORS = ("floor", "floor-kept")  # servers the others are measured against
 
 
 def decode_cost(jpegs: Sequence[Request], repeat: int = 60) -> float:
@@ -127,30 +128,26 @@ def _ratios(rows: Rows, servers: list[str], kinds: list[str]) -> dict[str, Any]:
     """Each server's requests/s and CPU per request over each floor's, and --workers 2's over
     --workers 1's of the same tree, per round (the two measured minutes apart at most), as
     medians with spread."""
-    clean_rows = [x for x in rows if clean(x)]
-    rate = {(x["server"], x["payload"], x["round"]): x["requests_per_s"] for x in clean_rows}
-    cpu = {
-        (x["server"], x["payload"], x["round"]): x["server_cpu_ms_per_request"] for x in clean_rows
-    }
+    by = {(x["server"], x["payload"], x["round"]): x for x in rows if clean(x)}
     rounds = sorted({x["round"] for x in rows})
-    floors = [f for f in ("floor", "floor-kept") if f in servers]
+    floors = [f for f in FLOORS if f in servers]
     pairs = [(s, f) for f in floors for s in servers if s not in floors]
     pairs += [(s, s[:-1] + "1") for s in servers if s.endswith("-w2") and s[:-1] + "1" in servers]
     out: dict[str, Any] = {}
     for kind in kinds:
         for num, den in pairs:
-            ratios = [
-                rate[num, kind, r] / rate[den, kind, r]
+            both = [
+                (by[num, kind, r], by[den, kind, r])
                 for r in rounds
-                if (num, kind, r) in rate and (den, kind, r) in rate
+                if (num, kind, r) in by and (den, kind, r) in by
             ]
-            out[f"{num} / {den} {kind} requests/s"] = spread(ratios)
-            cpus = [
-                cpu[num, kind, r] / cpu[den, kind, r]
-                for r in rounds
-                if (num, kind, r) in cpu and (den, kind, r) in cpu
-            ]
-            out[f"{num} / {den} {kind} CPU per request"] = spread(cpus)
+            for field, label in (
+                ("requests_per_s", "requests/s"),
+                ("server_cpu_ms_per_request", "CPU per request"),
+            ):
+                out[f"{num} / {den} {kind} {label}"] = spread(
+                    [n[field] / d[field] for n, d in both]
+                )
     return out
 
 
@@ -164,7 +161,7 @@ def _summary(rows: Rows, server: str, kind: str, decode: list[float]) -> dict[st
         "cpu_ms_per_request": spread(ms),
         "requests_per_s": spread([x["requests_per_s"] for x in mine]),
     }
-    if server in ("floor", "floor-kept"):
+    if server in FLOORS:
         return entry
     own = [
         x["server_cpu_ms_per_request"] - (decode[x["round"]] if kind == "jpeg" else 0) for x in mine

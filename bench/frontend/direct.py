@@ -21,7 +21,7 @@ import uvloop
 from starlette.routing import Route
 from starlette.types import Message
 
-from bench.frontend.bare import MISSING, READY, Bare
+from bench.frontend.bare import Bare
 from clipserve.cli import build_parser
 from clipserve.config import ServerConfig, load_config
 from clipserve.http.app import create_app
@@ -59,18 +59,10 @@ class Direct(Bare):
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))
 
-    def on_message_complete(self) -> None:
-        body = b"".join(self.chunks)
-        self.chunks = []
-        assert self.transport is not None
-        if self.url == b"/embed":
-            asyncio.get_running_loop().create_task(self.embed(self.headers, body))
-        elif self.url == b"/readyz":
-            self.transport.write(READY)
-        else:
-            self.transport.write(MISSING)
+    def embed(self, body: bytes) -> None:
+        asyncio.get_running_loop().create_task(self.run_endpoint(self.headers, body))
 
-    async def embed(self, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    async def run_endpoint(self, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         scope: dict[str, Any] = {
             "type": "http",
             "method": "POST",
@@ -103,9 +95,7 @@ class Direct(Bare):
             head = [b"HTTP/1.1 %d %s" % (status, http.HTTPStatus(status).phrase.encode())]
             head += [name + b": " + value for name, value in start["headers"]]
             answer = b"\r\n".join(head) + b"\r\n\r\n" + done["body"]
-        assert self.transport is not None
-        if not self.transport.is_closing():
-            self.transport.write(answer)
+        self.answer(answer)
 
 
 async def serve(config: ServerConfig) -> None:

@@ -4,6 +4,7 @@ processes told apart by role, their CPU time read, and this process pinned besid
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -68,7 +69,7 @@ def floor() -> Server:
 def floor_kept() -> Server:
     """The floor with clipserve's heap settings (http/heap.py) given as glibc's variables: a
     request body then lands on pages kept from the last, not on new ones. Without them the
-    floor's glibc sometimes maps and faults in every body's pages (37 faults a 150 KB request,
+    floor's glibc sometimes maps and faults in every body's pages (34 faults a 150 KB request,
     about twice the CPU), so the floor alone moves from round to round."""
     from clipserve.config import ServerConfig
     from clipserve.http.heap import MMAP_THRESHOLD
@@ -77,8 +78,7 @@ def floor_kept() -> Server:
         "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
         "MALLOC_TRIM_THRESHOLD_": str(ServerConfig().limits.max_body_bytes_in_flight),
     }
-    s = floor()
-    return Server("floor-kept", s.argv, env={**os.environ, **kept}, clipserve=False)
+    return dataclasses.replace(floor(), name="floor-kept", env={**os.environ, **kept})
 
 
 def bare() -> Server:
@@ -121,7 +121,7 @@ def start(
     proc = subprocess.Popen(cmd, cwd=s.cwd, env=s.env, preexec_fn=pin(cpus), stdout=stdout)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(proc, url + s.ready_path, startup_s, s.name)
+        wait_ready(proc, url + s.ready_path, startup_s, s.name)
         root = psutil.Process(proc.pid)
         if profile is not None:
             root = root.children()[0]
@@ -131,7 +131,7 @@ def start(
         _stop(proc, profile is not None)
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, startup_s: float, what: str) -> None:
+def wait_ready(proc: subprocess.Popen[bytes], url: str, startup_s: float, what: str) -> None:
     """Until `url` answers 200; RuntimeError if `proc` exits or time runs out."""
     deadline = time.monotonic() + startup_s
     while True:
