@@ -198,8 +198,43 @@ class Batcher:
         keys: Sequence[bytes] | None = None,
         fresh: bool = False,
     ) -> Completed:
-        """Queue the arrays and wait for their embeddings. Cancelling drops unstarted items
-        nobody else waits for.
+        """Queue the arrays and wait for their embeddings (`submit`, then its `Run`'s answer).
+        Cancelling drops unstarted items nobody else waits for."""
+        run = self.submit(
+            ticket,
+            arrays,
+            normalize=normalize,
+            request_id=request_id,
+            deadline=deadline,
+            keys=keys,
+            fresh=fresh,
+        )
+        try:
+            if run.gathering.pending:
+                await run.gathering.future
+        except BaseException as exc:
+            reading = run.leave()
+            if reading:  # our arrays (slots, in the engine) must outlive every read of them
+                await asyncio.wait(reading)
+            located = run.located(exc)
+            if located is exc:
+                raise
+            raise located from None
+        return run.completed()
+
+    def submit(
+        self,
+        ticket: Ticket,
+        arrays: Sequence[np.ndarray],
+        *,
+        normalize: bool,
+        request_id: str,
+        deadline: float | None = None,
+        keys: Sequence[bytes] | None = None,
+        fresh: bool = False,
+    ) -> Run:
+        """Queue the arrays; the `Run` answers once its `future` is done. The engine starts
+        its front ends' runs here, with a done callback each: no task per request.
 
         The ticket stays its caller's: each queued item takes one of its places and gives it
         back as it starts, and whoever admitted the request (the pipeline; the engine for a
@@ -209,11 +244,13 @@ class Batcher:
         keeps what it computes.
 
         Items still queued when `deadline` (`time.perf_counter()`; the ticket's by default)
-        passes, or too close to it to finish, never reach the executor: this raises
+        passes, or too close to it to finish, never reach the executor: the run fails with
         RequestTimeout. The caller's own timeout ends the wait for items already computing.
         """
         if not self.alive:
             raise NotReady("no executor worker is alive")
+        if keys is not None and len(keys) != len(arrays):  # before anything is held
+            raise ValueError(f"{len(keys)} cache keys for {len(arrays)} items")
         deadline = ticket.deadline if deadline is None else deadline
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
@@ -252,23 +289,14 @@ class Batcher:
                     source.item.future.add_done_callback(partial(gathering.joined, index))
                 flights.append(source)
             ticket.release(len(arrays) - len(ours))  # answered or joined: no place of their own
-        try:
-            if ours:
+        run = Run(self, gathering, flights, ours, len(arrays))
+        if ours:
+            try:
                 self.queue.put_nowait(ours)
-            if gathering.pending:
-                await gathering.future
-        except BaseException as exc:
-            reading = self._leave(flights, ours)
-            if reading:  # our arrays (slots, in the engine) must outlive every read of them
-                await asyncio.wait(reading)
-            if isinstance(exc, ITEM_ERRORS) and len(arrays) > 1 and gathering.failed >= 0:
-                raise with_item_index(exc, gathering.failed) from None
-            raise
-        rows = gathering.rows
-        queue_s, compute_s = _timings([f.item for f in flights] if flights else ours)
-        return Completed(
-            rows if rows is not None else np.empty((0, 0), np.float32), queue_s, compute_s
-        )
+            except BaseException:
+                run.leave()
+                raise
+        return run
 
     def _leave(self, flights: Sequence[Flight], ours: Sequence[WorkItem]) -> list[Future[Any]]:
         """A request stops waiting (it failed, timed out or went away). An item nobody waits
@@ -323,6 +351,54 @@ def _drop(item: WorkItem, unstarted: list[WorkItem]) -> None:
     if not item.started_at:
         item.ticket.release_all()
         unstarted.append(item)
+
+
+class Run:
+    """One request's items in a tower, from `Batcher.submit`: done when `future` is (at once
+    when the cache held every item)."""
+
+    __slots__ = ("batcher", "flights", "gathering", "n", "ours")
+
+    def __init__(
+        self,
+        batcher: Batcher,
+        gathering: Gathering,
+        flights: list[Flight],
+        ours: list[WorkItem],
+        n: int,
+    ) -> None:
+        self.batcher = batcher
+        self.gathering = gathering
+        self.flights = flights
+        self.ours = ours
+        self.n = n
+
+    @property
+    def future(self) -> Future[None]:
+        return self.gathering.future
+
+    def completed(self) -> Completed:
+        """The embeddings, once `future` has its result."""
+        rows = self.gathering.rows
+        flights = self.flights
+        queue_s, compute_s = _timings([f.item for f in flights] if flights else self.ours)
+        return Completed(
+            rows if rows is not None else np.empty((0, 0), np.float32), queue_s, compute_s
+        )
+
+    def leave(self) -> list[Future[Any]]:
+        """Stop waiting (failed, timed out, cancelled); the futures of items still reading
+        this request's arrays, which must outlive them (see `Batcher._leave`). The run's own
+        future is cancelled: an item it joined may still fail, and nobody reads it now."""
+        reading = self.batcher._leave(self.flights, self.ours)
+        self.gathering.future.cancel()
+        return reading
+
+    def located(self, exc: BaseException) -> BaseException:
+        """`exc` as the request's error: an item's own error names its index in a list."""
+        if isinstance(exc, ITEM_ERRORS) and self.n > 1 and self.gathering.failed >= 0:
+            return with_item_index(exc, self.gathering.failed)
+        return exc
 
 
 # Errors of one item's own input (a NaN row; with --decode gpu, an image the device worker could

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from clipserve.engine.service import EngineService
 from clipserve.engine.slots import SlotArena
@@ -15,6 +21,79 @@ from clipserve.inference.runtime import build_runtime
 from clipserve.metrics import Metrics
 from tests.helpers import make_config, random_pixels
 
+KEY = b"k" * 32  # a cache key, as the front end's are: the same image's
+
+
+class Front:
+    """One front end's side of the channel, frames kept in order of arrival."""
+
+    def __init__(self, service: EngineService, arena: SlotArena) -> None:
+        self.service = service
+        self.arena = arena
+        self.frames: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.channel: Channel[Any, Any]
+
+    async def answer(self) -> dict[str, Any]:
+        while (frame := await self.frames.get())["t"] == "status":
+            pass
+        return frame
+
+    async def admit(self, rid: int, n: int = 1) -> None:
+        self.channel.send({"t": "admit", "id": rid, "tower": "image", "n": n, "wait_s": 10})
+        assert await self.answer() == {"t": "ok", "id": rid}
+
+    def run(self, rid: int, slots: list[int], keys: list[bytes] | None = None) -> None:
+        self.channel.send(
+            {
+                "t": "run",
+                "id": rid,
+                "ids": [rid],
+                "tower": "image",
+                "slots": slots,
+                "dtype": "|u1",
+                "shapes": [[224, 224, 3]] * len(slots),
+                "normalize": True,
+                "rid": f"r{rid}",
+                "keys": keys,
+            }
+        )
+
+    def used(self) -> int:
+        assert self.service.towers is not None
+        return self.service.towers.image.admission.used
+
+
+@asynccontextmanager
+async def engine_front(
+    tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path, **flags: Any
+) -> AsyncIterator[Front]:
+    """A served engine (fake backend) and one front end connected to it with its slots."""
+    config = make_config(tiny_config, tiny_checkpoint, backend="fake", **flags)
+    runtime = build_runtime(config)
+    sock = tmp_path / "engine.sock"
+    arena = SlotArena(tmp_path / "slots", 4, 3 * 224 * 224 * 4, create=True)
+    try:
+        service = EngineService(runtime, Metrics())
+        stop, ready = asyncio.Event(), asyncio.Event()
+        serving = asyncio.create_task(service.serve(sock, ready.set, stop))
+        await ready.wait()
+        front = Front(service, arena)
+        loop = asyncio.get_running_loop()
+        _, front.channel = await loop.create_unix_connection(
+            lambda: Channel(front.frames.put_nowait), str(sock)
+        )
+        hello = {"pid": 1, "path": str(arena.path), "count": 4, "slot_bytes": arena.slot_bytes}
+        front.channel.send({"t": "hello", **hello})
+        assert (await front.answer())["t"] == "card"
+        async with asyncio.timeout(10):
+            yield front
+        front.channel.close()
+        stop.set()
+        await serving
+    finally:
+        runtime.close()
+        arena.close(unlink=True)
+
 
 def test_a_run_cancelled_in_the_same_read_is_answered_and_gives_back_its_place(
     tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
@@ -22,74 +101,134 @@ def test_a_run_cancelled_in_the_same_read_is_answered_and_gives_back_its_place(
     """A client that goes away just after its request was sent: the front end's `run` and
     `cancel` reach the engine in one read. The run must still get its one answer (the front end
     frees its slots on it) and its queue place must come back."""
-    config = make_config(
-        tiny_config, tiny_checkpoint, backend="fake", backend_option=["latency_ms=100"]
-    )
-    runtime = build_runtime(config)
-    sock = tmp_path / "engine.sock"
-    arena = SlotArena(tmp_path / "slots", 4, 3 * 224 * 224 * 4, create=True)
 
     async def main() -> None:
-        service = EngineService(runtime, Metrics())
-        stop, ready = asyncio.Event(), asyncio.Event()
-        serving = asyncio.create_task(service.serve(sock, ready.set, stop))
-        await ready.wait()
-        frames: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        _, channel = await loop.create_unix_connection(
-            lambda: Channel(frames.put_nowait), str(sock)
-        )
-
-        async def answer() -> dict[str, Any]:
-            while (frame := await frames.get())["t"] == "status":
-                pass
-            return frame
-
-        channel.send(
-            {
-                "t": "hello",
-                "pid": 1,
-                "path": str(arena.path),
-                "count": arena.count,
-                "slot_bytes": arena.slot_bytes,
-            }
-        )
-        assert (await answer())["t"] == "card"
-        async with asyncio.timeout(10):
+        options = {"backend_option": ["latency_ms=100"]}
+        async with engine_front(tiny_config, tiny_checkpoint, tmp_path, **options) as front:
             for rid in (1, 2):
-                channel.send({"t": "admit", "id": rid, "tower": "image", "n": 1, "wait_s": 10})
-                assert await answer() == {"t": "ok", "id": rid}
-                arena.write(rid, random_pixels(rid))
-                run = {
-                    "t": "run",
-                    "id": rid,
-                    "ids": [rid],
-                    "tower": "image",
-                    "slots": [rid],
-                    "dtype": "|u1",
-                    "shapes": [[224, 224, 3]],
-                    "normalize": True,
-                    "rid": "r",
-                }
-                channel.send(run)
+                await front.admit(rid)
+                front.arena.write(rid, random_pixels(rid))
+                front.run(rid, [rid])
                 if rid == 1:
-                    channel.send({"t": "cancel", "id": rid})  # the same write as the run
-                reply = await answer()
+                    front.channel.send({"t": "cancel", "id": rid})  # the same write as the run
+                reply = await front.answer()
                 assert reply["id"] == rid
                 if rid == 1:
                     assert reply["t"] == "error"
                 else:
                     assert reply["t"] == "done"
-                    row = arena.view(rid, "<f4", (reply["dim"],))
+                    row = front.arena.view(rid, "<f4", (reply["dim"],))
                     assert abs(float(np.linalg.norm(row)) - 1) < 1e-5
-        assert service.towers is not None
-        assert service.towers.image.admission.used == 0
-        channel.close()
-        stop.set()
-        await serving
+            assert front.used() == 0
 
-    try:
-        asyncio.run(main())
-    finally:
-        runtime.close()
-        arena.close(unlink=True)
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["computed", "failed"])
+def test_a_cancelled_run_whose_item_another_run_shares_is_answered_once_that_item_is_done(
+    tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path, caplog: Any, fails: bool
+) -> None:
+    """Run 1's item computes; run 2 joins it through the cache (the same key); run 1 is
+    cancelled. Its item is still reading run 1's slot, which the front end reuses as soon as
+    run 1 is answered, so the answer (an error) waits for the batch; run 2 gets the row, or
+    the item's own error, and nothing is left unread for asyncio to complain of."""
+    caplog.set_level(logging.ERROR)
+
+    async def main() -> None:
+        options = {"backend_option": ["latency_ms=400", "nan_pixel=7"], "cache_mb": 16}
+        async with engine_front(tiny_config, tiny_checkpoint, tmp_path, **options) as front:
+            pixels = random_pixels(1)
+            pixels[0, 0, 0] = 7 if fails else 8
+            front.arena.write(1, pixels)
+            front.arena.write(2, pixels)
+            await front.admit(1)
+            front.run(1, [1], [KEY])
+            assert front.service.towers is not None
+            while front.service.towers.image.workers[0].running is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.005)  # until its batch computes
+            await front.admit(2)
+            front.run(2, [2], [KEY])
+            front.channel.send({"t": "cancel", "id": 1})
+            cancelled_at = time.monotonic()
+            replies, waited = {}, {}
+            for _ in range(2):
+                reply = await front.answer()
+                replies[reply["id"]], waited[reply["id"]] = reply, time.monotonic() - cancelled_at
+            assert replies[1]["t"] == "error" and replies[1]["error"]["message"] == "cancelled"
+            assert waited[1] > 0.15  # the batch's remaining ~0.4 s, not at once
+            if fails:
+                assert replies[2]["t"] == "error"
+                assert replies[2]["error"]["cls"] == "NonFiniteEmbedding"
+            else:
+                assert replies[2]["t"] == "done"
+                row = front.arena.view(2, "<f4", (replies[2]["dim"],))
+                assert abs(float(np.linalg.norm(row)) - 1) < 1e-5
+            assert front.used() == 0
+
+    asyncio.run(main())
+    gc.collect()  # a future whose exception nobody read says so as it is collected
+    assert not [r.getMessage() for r in caplog.records], "logged errors"
+
+
+def test_a_gone_front_ends_runs_give_back_their_places_and_a_bad_slot_is_answered(
+    tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """A run naming a slot outside the file gets one error answer. A front end that
+    disconnects with runs queued and computing (keyed and not) leaves no place held."""
+
+    async def main() -> None:
+        options = {"backend_option": ["latency_ms=300"], "cache_mb": 16, "max_batch_size": 1}
+        async with engine_front(tiny_config, tiny_checkpoint, tmp_path, **options) as front:
+            await front.admit(1)
+            front.run(1, [99])
+            reply = await front.answer()
+            assert reply["t"] == "error" and reply["id"] == 1
+            assert front.used() == 0
+            for slot in range(4):
+                front.arena.write(slot, random_pixels(slot))
+            await front.admit(2)
+            front.run(2, [1], [KEY])
+            await front.admit(3)
+            front.run(3, [2])
+            await front.admit(4, n=2)
+            front.run(4, [0, 3])
+            await asyncio.sleep(0.05)
+            (engine_side,) = front.service.front_ends
+            assert len(engine_side.runs) == 3 and front.used() == 3  # one computes, 3 queued
+            front.channel.close()
+            while front.service.front_ends:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+            assert front.used() == 0
+
+    asyncio.run(main())
+
+
+def test_a_run_the_cache_answers_whole_is_done_at_once_and_an_items_error_names_it(
+    tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """A run whose every item the cache holds has nothing to wait for: its rows are written
+    and it is answered without reaching the queue. An item whose embedding is not finite
+    fails its run with its index in the message; the places come back either way."""
+
+    async def main() -> None:
+        options = {"backend_option": ["nan_pixel=7"], "cache_mb": 16}
+        async with engine_front(tiny_config, tiny_checkpoint, tmp_path, **options) as front:
+            front.arena.write(0, random_pixels(1))
+            for rid in (1, 2):  # computed, then found
+                await front.admit(rid)
+                front.run(rid, [0], [KEY])
+                reply = await front.answer()
+                assert reply["t"] == "done" and reply["id"] == rid
+            assert reply["queue_s"] == 0 and reply["compute_s"] == 0
+            bad = random_pixels(2)
+            bad[0, 0, 0] = 7
+            front.arena.write(1, random_pixels(3))
+            front.arena.write(2, bad)
+            await front.admit(3, n=2)
+            front.run(3, [1, 2])
+            reply = await front.answer()
+            assert reply["t"] == "error" and reply["id"] == 3
+            assert reply["error"]["message"].startswith("item 1: ")
+            assert front.used() == 0
+
+    asyncio.run(main())
