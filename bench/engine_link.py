@@ -54,7 +54,7 @@ def _engine(model: Path, socket_path: str, ready: Any) -> None:
 
     import uvloop
 
-    from clipserve.engine.service import EngineService
+    from clipserve.engine.service import EngineService, model_card
     from clipserve.inference.runtime import build_runtime
     from clipserve.metrics import Metrics
 
@@ -64,23 +64,21 @@ def _engine(model: Path, socket_path: str, ready: Any) -> None:
 
     async def main() -> None:
         service = EngineService(runtime, Metrics())
-        await service.serve(Path(socket_path), lambda: ready.send("ready"), asyncio.Event())
+        card = model_card(runtime)  # what the driver's link needs, as a front end gets it
+        await service.serve(Path(socket_path), lambda: ready.send(card), asyncio.Event())
 
     uvloop.run(main())
 
 
 async def _drive(
-    model: Path, socket_path: str, engine_pid: int, seconds: float, connections: int
+    model: Path, card: Any, socket_path: str, engine_pid: int, seconds: float, connections: int
 ) -> dict[str, Any]:
     import numpy as np
     import psutil  # type: ignore[import-untyped]
 
     from clipserve.engine.remote import EngineLink, RemoteTower
-    from clipserve.engine.service import model_card
-    from clipserve.inference.runtime import build_runtime
 
-    config = _config(model)
-    link = EngineLink(socket_path, config, model_card(build_runtime(config)))
+    link = EngineLink(socket_path, _config(model), card)
     await link.start(60)
     tower = RemoteTower(link, "image")
     image = np.random.default_rng(0).integers(0, 255, (224, 224, 3), np.uint8)
@@ -135,10 +133,11 @@ def one(seconds: float, connections: int) -> dict[str, Any]:
         try:
             if not ours.poll(300):
                 raise RuntimeError("the engine did not start")
-            ours.recv()
+            card = ours.recv()
             os.sched_setaffinity(0, {DRIVER_CPU})
             assert engine.pid is not None
-            return uvloop.run(_drive(model, socket_path, engine.pid, seconds, connections))
+            drive = _drive(model, card, socket_path, engine.pid, seconds, connections)
+            return uvloop.run(drive)
         finally:
             engine.terminate()
             engine.join(30)
