@@ -28,7 +28,7 @@ from bench.gpu_check.pipelined import (
 )
 from bench.gpu_check.plan import Plan
 from bench.gpu_check.run import chosen, default_budget, sections
-from bench.gpu_check.served import Load
+from bench.gpu_check.served import Load, server_flags
 from clipserve.backends.fake import FakeExecutor
 from tests.helpers import SPEC_32, marked_array
 
@@ -272,3 +272,14 @@ def test_pipelined_section_on_the_cpu(tmp_path: Path) -> None:
             assert row["effective_depth"] == 1
     summary = doc["summary"]["pipelined_vs_run"]["torch"]
     assert set(summary["vs_run"]) == {"4", "16"} and summary["min_cosine"] >= MIN_COSINE
+
+
+def test_served_flags_spread_connections_only_with_front_ends(tmp_path: Path) -> None:
+    known = "--workers --reuse-port --pipeline-depth"
+    plan = Plan("cuda:0", False, "ViT-B-32", 4, [2], str(tmp_path), reuse_port=True)
+    flags = server_flags(plan, known, depth=2, gpu_decode=False)
+    assert flags[flags.index("--workers") + 1] == "4" and "--reuse-port" in flags
+    one = Plan("cuda:0", False, "ViT-B-32", 1, [2], str(tmp_path), reuse_port=True)
+    assert "--reuse-port" not in server_flags(one, known, depth=2, gpu_decode=False)
+    # A server that predates the flag is asked for nothing it would refuse.
+    assert "--reuse-port" not in server_flags(plan, "--workers", depth=2, gpu_decode=False)

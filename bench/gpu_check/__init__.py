@@ -1,6 +1,6 @@
 """One command on a CUDA machine: every GPU path, measured, into one JSON.
 
-    python -m bench.gpu_check [--workers 1] [--budget-s S]         (or: make gpu-check)
+    python -m bench.gpu_check [--workers 1 [--reuse-port]] [--budget-s S]  (or: make gpu-check)
     python -m bench.gpu_check --allow-cpu --quick                   (no GPU: the tiny model)
 
 Sections, each in its own process with its own time limit (a CUDA error or a hang in one cannot

@@ -36,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny model, seconds per section")
     p.add_argument("--model", help="open_clip model (default ViT-B-32; --quick: the tiny one)")
     p.add_argument("--workers", type=int, default=1, help="front-end processes for served rates")
+    p.add_argument(
+        "--reuse-port", action="store_true", help="with --workers N: the server's --reuse-port"
+    )
     p.add_argument("--pipeline-depths", default="2,3", help="served tensor runs, one per depth")
     p.add_argument(
         "--budget-s", type=float, help="the whole run's time budget (default: its sections' sum)"
@@ -114,6 +117,7 @@ def plan_of(args: argparse.Namespace, cuda: bool) -> Plan:
         quick=args.quick,
         model=model or "ViT-B-32",
         workers=args.workers,
+        reuse_port=args.reuse_port,
         depths=[int(d) for d in args.pipeline_depths.split(",")],
         out_dir=str(work),
         sizes=[1, 4, 16] if args.quick else [2**i for i in range(11)],
@@ -149,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "model": f"{plan.model} (random weights)",
         "workers": args.workers,
+        "reuse_port": args.reuse_port and args.workers > 1,  # served sections' flags say more
         "budget_s": budget_s,
         "wall_s": round(time.monotonic() - started, 1),
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}",

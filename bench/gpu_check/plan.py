@@ -23,6 +23,7 @@ class Plan:
     depths: list[int]
     out_dir: str
     sizes: list[int] = field(default_factory=list)
+    reuse_port: bool = False  # with workers > 1: a listening socket per front end
 
     @property
     def gpus(self) -> str:

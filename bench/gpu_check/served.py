@@ -66,6 +66,8 @@ def server_flags(plan: Plan, flags_known: str, depth: int | None, gpu_decode: bo
         flags += ["--backend", "torch", "--max-batch-size", "16", "--max-queue-size", "256"]
     if plan.workers > 1 and "--workers" in flags_known:
         flags += ["--workers", str(plan.workers)]
+        if plan.reuse_port and "--reuse-port" in flags_known:
+            flags.append("--reuse-port")  # connections spread evenly over the front ends
     if depth is not None:
         flags += ["--pipeline-depth", str(depth)]
     if gpu_decode:

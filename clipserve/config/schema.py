@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,12 @@ class HttpConfig:
         1,
         "HTTP front-end processes sharing the port; above 1 they feed one engine process "
         "(model, batcher, devices) through shared memory",
+    )
+    reuse_port: bool = _opt(
+        False,
+        "--workers N on Linux: each front end listens on a socket of its own (SO_REUSEPORT) and "
+        "the kernel spreads new connections over them evenly; default: one socket for all, whose "
+        "accept queue outlives a killed front end, but a burst of connections may gather on one",
     )
     log_level: str = _opt("info", "log level", choices=LOG_LEVELS)
     log_format: str = _opt(
@@ -308,6 +315,11 @@ def validate(config: ServerConfig) -> None:
     grpc_ok = h.grpc_port == 0 or (0 < h.grpc_port <= 65535 and h.grpc_port != h.port)
     _require(grpc_ok, "grpc_port", "must be in 0..65535 (0: off), not --port")
     _require(1 <= h.workers <= 256, "workers", "must be in 1..256")
+    _require(
+        not h.reuse_port or sys.platform == "linux",
+        "reuse_port",
+        "needs Linux, where SO_REUSEPORT spreads connections over the sockets",
+    )
     _require(h.log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
     _require(h.log_format in LOG_FORMATS, "log_format", f"must be one of {', '.join(LOG_FORMATS)}")
     _check_otel(h.otel_endpoint)

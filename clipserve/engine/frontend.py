@@ -14,7 +14,7 @@ from clipserve.engine.messages import ModelCard
 from clipserve.http.app import create_app
 from clipserve.http.connections import ensure_fd_limit
 from clipserve.http.heap import keep_body_pages
-from clipserve.http.server import build_uvicorn_config, draining_server
+from clipserve.http.server import beside, build_uvicorn_config, draining_server
 
 log = logging.getLogger("clipserve.supervisor")
 FRONTEND_START_TIMEOUT_S = 60.0
@@ -37,7 +37,8 @@ def frontend_main(
     another front end. `together` (a multiprocessing Barrier, at the first start only) holds
     each front end until all have imported what they need, so they start accepting together:
     one that accepted alone would take every early connection, and keep-alive clients would
-    stay with it. `buckets`: the rate limits' table the supervisor made for every front end."""
+    stay with it. With `--reuse-port` it listens on a socket of its own beside `listener`
+    instead. `buckets`: the rate limits' table the supervisor made for every front end."""
     start_child(config.http.log_level, f"frontend {index}", parent, config.http.log_format)
     import open_clip  # noqa: F401  the tokenizer's (and torch's) import: the slow part of startup
 
@@ -49,6 +50,14 @@ def frontend_main(
     app = create_app(config, engine=(socket_path, card), buckets=buckets, front_end=(parent, index))
     ensure_fd_limit(config.http.max_connections)
     keep_body_pages(config.limits.max_body_bytes_in_flight, config.http.workers)
+    if config.http.reuse_port:
+        try:
+            own = beside(listener)
+        except OSError as e:  # one line, not a traceback; the supervisor restarts it
+            log.error("front end %d: --reuse-port: cannot bind beside the port: %s", index, e)
+            os._exit(1)
+        listener.close()
+        listener = own
     server = draining_server(build_uvicorn_config(app, config.http))
     server.run(sockets=[listener])
     logging.shutdown()

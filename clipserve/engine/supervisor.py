@@ -3,9 +3,10 @@
 The supervisor computes nothing. It binds the port once (a taken port is the CLI's one line,
 as with one process) and every front end inherits that socket, as gunicorn's and uvicorn's own
 workers do: one accept queue, which a front end's death does not take with it (connections
-queued there wait for another front end; with a socket per front end, SO_REUSEPORT, the kernel
-resets those queued on the dead one's). The supervisor never listens itself: the first front
-end whose app has started does, so a client is refused while the model loads, not kept waiting.
+queued there wait for another front end). With `--reuse-port` each front end listens on a socket
+of its own beside the one held here: the kernel spreads new connections evenly, but resets those
+queued on a dead front end's. The supervisor never listens itself: the first front end whose app
+has started does, so a client is refused while the model loads, not kept waiting.
 
 It starts the engine and waits until it has warmed up (a startup error is the CLI's one line
 and exit 2), then the front ends. A front end that dies is restarted, its slot file removed and
@@ -181,7 +182,9 @@ class Supervisor:
         port is held the same way for life, with SO_REUSEPORT, so each front end's gRPC server
         binds it beside the others (docs/api.md: what that costs when a front end dies)."""
         http = self.config.http
-        self.listener = bind_port(http.host, http.port, "--host/--port")
+        # --reuse-port: held as the gRPC port is, each front end listening on a socket of its
+        # own beside it (http/server.py's `beside`).
+        self.listener = bind_port(http.host, http.port, "--host/--port", reuse_port=http.reuse_port)
         if http.grpc_port:
             self.grpc_hold = bind_port(http.host, http.grpc_port, "--grpc-port", reuse_port=True)
 

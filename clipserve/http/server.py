@@ -377,22 +377,39 @@ def build_uvicorn_config(app: Any, config: HttpConfig, **overrides: Any) -> uvic
 
 def bind_port(host: str, port: int, option: str, *, reuse_port: bool = False) -> socket.socket:
     """The port bound, not listening, or StartupError naming `option` when anything holds it.
-    `reuse_port`: then rebound with SO_REUSEPORT, so the front ends' gRPC servers (which
-    cannot serve on an inherited socket) bind beside it while a second server cannot."""
+    `reuse_port`: then rebound with SO_REUSEPORT alone, so the front ends' gRPC servers (which
+    cannot serve on an inherited socket) and, with --reuse-port, their HTTP listeners bind
+    beside it, while a second server cannot (without SO_REUSEADDR on the held socket, neither
+    another SO_REUSEADDR server nor a second clipserve binds the port while nothing listens)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:  # without SO_REUSEPORT: a second clipserve on the port must not pass
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         if reuse_port:
+            address = sock.getsockname()  # the port bound, also where --port 0 chose one
             sock.close()
             sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind((host, port))
+            sock.bind(address)
     except OSError as e:
         sock.close()
         raise StartupError(f"{option}: cannot listen on {host}:{port} ({e.strerror})") from None
+    return sock
+
+
+def beside(held: socket.socket) -> socket.socket:
+    """A socket of this process's own on `held`'s address (bound with SO_REUSEPORT): with
+    `--reuse-port` each front end listens on one, and the kernel spreads new connections over
+    the listening ones by a hash of each connection's addresses."""
+    sock = socket.socket(held.family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(held.getsockname())  # all of it: an IPv6 address's scope too
+    except OSError:
+        sock.close()
+        raise
     return sock
 
 
@@ -428,7 +445,7 @@ class DrainingServer(uvicorn.Server):
         # clients have sent. Those are accepted first, and served (`GuardedHttpProtocol.
         # shutdown`); only a client that connects in the microseconds between the last accept
         # and the close is reset (with --workers N, the last front end to close takes the
-        # queue the others left: the socket is shared).
+        # queue the others left: the socket is shared; with --reuse-port each takes its own).
         queued = [] if self.gate is not None and self.gate.paused else take_queued(self)
         for server in self.servers:
             server.close()

@@ -1,9 +1,10 @@
 """`--workers N` serve one listening socket, bound by the supervisor and inherited by every front
 end: one accept queue, which outlives any one front end. Real processes, sockets and signals.
 
-With a socket per front end (SO_REUSEPORT) the kernel resets the connections queued on a dead
+With a socket per front end (`--reuse-port`) the kernel resets the connections queued on a dead
 front end's socket, which no other front end could accept; here only the requests the dead front
-end had itself accepted may fail.
+end had itself accepted may fail. In exchange, `--reuse-port` spreads a burst of connections over
+the front ends, which one shared accept queue does not: its last test.
 """
 
 from __future__ import annotations
@@ -233,6 +234,7 @@ def test_tls_with_two_front_ends_on_the_shared_socket(tiny_config: Path, tmp_pat
     tls = ["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]
     with workers(tiny_config, tmp_path, *tls) as server:
         assert server.tls is not None
+        assert _listening(server.port) == 1  # one socket, both front ends accepting on it
         # all_accepting saw both front ends accept a TLS connection and answer on it.
         conn = server.connection()
         conn.request("POST", "/embed", body=JPEG, headers={"Content-Type": "image/jpeg"})
@@ -241,3 +243,56 @@ def test_tls_with_two_front_ends_on_the_shared_socket(tiny_config: Path, tmp_pat
         conn.close()
         assert response.status == 200, body
         assert len(body["embedding"]) == json.loads(tiny_config.read_text())["embed_dim"]
+
+
+def _listening(port: int) -> int:
+    """Listening sockets on `port` (/proc/net/tcp, state 0A): one shared, or one per front
+    end; a bound socket that does not listen (the supervisor's) is not among them."""
+    rows = [ln.split() for ln in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    return sum(1 for r in rows if r[1].endswith(f":{port:04X}") and r[3] == "0A")
+
+
+def _spread(server: Server, count: int = 64) -> list[int]:
+    """Connections each front end accepted of `count` opened at once (one request on each)."""
+    conns = [server.connection(10) for _ in range(count)]
+    try:
+        for conn in conns:
+            conn.request("GET", "/healthz")
+        for conn in conns:
+            response = conn.getresponse()
+            response.read()
+            assert response.status == 200
+        return sorted(len(server.accepted_by(pid)) for pid in server.front_ends())
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_reuse_port_spreads_connections_and_a_restarted_front_end_rejoins(
+    tiny_config: Path, tmp_path: Path
+) -> None:
+    """`--reuse-port`: 64 connections opened at once land on both front ends (the kernel's hash:
+    fewer than 12 on one has a chance of ~1e-7). After kill -9 of one, new connections all reach
+    the other (the dead socket leaves the group); the restarted one takes its share again."""
+    with workers(tiny_config, tmp_path, "--reuse-port") as server:
+        assert _listening(server.port) == 2  # a socket of each front end's own
+        first = _spread(server)
+        assert len(first) == 2 and min(first) >= 12, first
+        victim = min(server.front_ends())
+        psutil.Process(victim).kill()
+        # Reaped by the supervisor, not only a zombie: a zombie leader's other threads may still
+        # hold its socket open, and a connection the kernel queues there meanwhile is reset
+        # (the cost --reuse-port's help states).
+        until(lambda: not psutil.pid_exists(victim), 10, "victim reaped")
+        for _ in range(20):
+            conn = server.connection(10)
+            try:
+                conn.request("GET", "/healthz")
+                assert conn.getresponse().status == 200
+            finally:
+                conn.close()
+        until(lambda: server.all_accepting(2), 120, "the front end restarted", poll_s=0.2)
+        again = _spread(server)
+        assert len(again) == 2 and min(again) >= 12, again
+        assert _listening(server.port) == 2
+    assert "Traceback" not in server.log.read_text()
