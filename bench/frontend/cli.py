@@ -53,6 +53,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batching-rate", type=float, default=200.0, help="requests/s, open loop")
     p.add_argument("--batch-latency-ms", type=float, default=20.0)
     p.add_argument("--workers-list", default="1,2")
+    p.add_argument(
+        "--scaling-reuse-port",
+        action="store_true",
+        help="scaling section: each count above one also with --reuse-port (wNr)",
+    )
     p.add_argument("--before-tree", type=Path, help="a checkout of the commit before issue 8")
     p.add_argument(
         "--cost-before-tree", type=Path, help="cost section: also a checkout with fake compute=0"

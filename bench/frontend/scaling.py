@@ -1,5 +1,7 @@
 """The scaling section: saturated requests/s of tensor requests with each of --workers-list
-front ends, and each count's share of linear scaling from one."""
+front ends, and each count's share of linear scaling from one. With --scaling-reuse-port, each
+count above one also with `--reuse-port` (named `wNr`): a socket per front end, so the client's
+connections spread over them rather than gathering on whichever accepts first."""
 
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ def section_scaling(a: argparse.Namespace, model: Path) -> dict[str, Any]:
     servers = [
         clipserve(f"w{n}", [*fake_flags(model), "--workers", str(n)]) for n in a.workers_list
     ]
+    if a.scaling_reuse_port:
+        flags = [*fake_flags(model), "--reuse-port", "--workers"]
+        servers += [clipserve(f"w{n}r", [*flags, str(n)]) for n in a.workers_list if n > 1]
+    front_ends = {s.name: s.front_ends for s in servers}
     threads = len(client_cpus) if client_cpus else 1
     rows = []
     with contextlib.ExitStack() as stack, affinity(client_cpus):
@@ -39,23 +45,26 @@ def section_scaling(a: argparse.Namespace, model: Path) -> dict[str, Any]:
             saturate(r, reqs, 1.0, a.connections, threads)
         for rnd in range(a.rounds):
             for r in rotated(up, rnd):
-                n = int(r.server.name[1:])
+                name, n = r.server.name, front_ends[r.server.name]
                 conns = max(a.connections, 16 * n)
-                row = {"round": rnd, "workers": n, **saturate(r, reqs, a.seconds, conns, threads)}
+                point = saturate(r, reqs, a.seconds, conns, threads)
+                row = {"round": rnd, "server": name, "workers": n, **point}
                 rows.append(row)
-                say(f"scaling round {rnd} w{n}: {row['requests_per_s']} req/s")
+                say(f"scaling round {rnd} {name}: {row['requests_per_s']} req/s")
     rps = {
-        n: [x["requests_per_s"] for x in rows if x["workers"] == n and clean(x)]
-        for n in a.workers_list
+        s.name: [x["requests_per_s"] for x in rows if x["server"] == s.name and clean(x)]
+        for s in servers
     }
-    base = statistics.median(rps[1]) if rps.get(1) else None
+    base = statistics.median(rps["w1"]) if rps.get("w1") else None
     return {
         "pinning": pinning(server_cpus, client_cpus),
         "payload": "one raw uint8 224x224x3 tensor per request, closed loop",
         "skipped": skipped,
         "requests_per_s": {n: spread(v) for n, v in rps.items() if v},
         "of_linear": {
-            n: round(statistics.median(v) / (n * base), 3) for n, v in rps.items() if v and base
+            name: round(statistics.median(v) / (front_ends[name] * base), 3)
+            for name, v in rps.items()
+            if v and base
         },
         "rows": rows,
     }
