@@ -1,8 +1,9 @@
 """`clipserve doctor`: what the server would run on here, with the same flags, and why not
 otherwise. For the first minutes on a new host: versions, driver and devices, each ONNX Runtime
 provider and the real reason one cannot load (its own error, captured from the library's
-stderr), TensorRT and nvJPEG, /dev/shm, the open-file limit, cores. Nothing is served and no
-model is loaded; the exit status is 1 when the backend and devices given cannot run.
+stderr), TensorRT and nvJPEG, /dev/shm, the open-file limit, the front ends' accept queues
+(`--workers N`), cores. Nothing is served and no model is loaded; the exit status is 1 when the
+backend and devices given cannot run.
 """
 
 from __future__ import annotations
@@ -85,6 +86,32 @@ def _host(config: ServerConfig) -> Iterator[Finding]:
         f"soft {soft}, hard {hard}; --max-connections {config.http.max_connections} needs {need}"
     )
     yield Finding("host", "open files", OK if fits else FAIL, detail)
+    if config.http.workers > 1:
+        yield _accept_queues(config.http.reuse_port)
+
+
+MIGRATE_REQ = Path("/proc/sys/net/ipv4/tcp_migrate_req")
+
+
+def _accept_queues(reuse_port: bool) -> Finding:
+    """--workers N: one shared accept queue, or one per front end (--reuse-port), where the
+    kernel's tcp_migrate_req decides what happens to a dead front end's queued connections."""
+    if not reuse_port:
+        detail = "one shared by the front ends; --reuse-port spreads connections over them"
+        return Finding("host", "accept queues", INFO, detail)
+    try:
+        migrate = MIGRATE_REQ.read_text().strip()
+    except OSError:
+        detail = "one per front end; no net.ipv4.tcp_migrate_req (Linux 5.14+): "
+        return Finding("host", "accept queues", INFO, detail + _RESET)
+    if migrate == "1":
+        detail = "one per front end; tcp_migrate_req 1: a dead one's queue goes to the others"
+        return Finding("host", "accept queues", OK, detail)
+    detail = f"one per front end; net.ipv4.tcp_migrate_req {migrate}: {_RESET} (set it to 1)"
+    return Finding("host", "accept queues", WARN, detail)
+
+
+_RESET = "connections queued on a front end that dies are reset"
 
 
 def _torch() -> Iterator[Finding]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 from clipserve.inference.doctor import captured_stderr, provider_reason
 from tests.helpers import run_clipserve
@@ -46,3 +47,19 @@ def test_provider_probe_and_stderr_capture() -> None:
     with captured_stderr() as err:
         os.write(2, b"written by a C library\n")
     assert err.getvalue() == "written by a C library\n"
+
+
+def test_doctor_explains_the_accept_queues_of_front_ends() -> None:
+    shared = _findings(run_clipserve("doctor", "--json", "--gpus", "cpu", "--workers", "2").stdout)
+    assert "--reuse-port spreads" in shared["accept queues"]["detail"]
+    run = run_clipserve("doctor", "--json", "--gpus", "cpu", "--workers", "2", "--reuse-port")
+    found = _findings(run.stdout)["accept queues"]
+    migrate = Path("/proc/sys/net/ipv4/tcp_migrate_req")
+    if not migrate.exists():
+        assert found["status"] == "info" and "Linux 5.14+" in found["detail"]
+    elif migrate.read_text().strip() == "1":
+        assert found["status"] == "ok"
+    else:
+        assert found["status"] == "warn" and "are reset (set it to 1)" in found["detail"]
+    one = _findings(run_clipserve("doctor", "--json", "--gpus", "cpu", "--reuse-port").stdout)
+    assert "accept queues" not in one  # one process: no front ends to spread over
