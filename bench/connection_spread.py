@@ -28,23 +28,10 @@ import psutil
 
 from bench.frontend.cli import FAKE_CONFIG
 from bench.frontend.servers import fake_flags
-from clipserve.loadgen.procs import free_port
+from clipserve.loadgen.procs import clipserve_process
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = {"shared": [], "reuse-port": ["--reuse-port"]}
-
-
-def _up(port: int) -> bool:
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-    try:
-        conn.request("GET", "/readyz")
-        return conn.getresponse().status == 200
-    except OSError:
-        return False
-    finally:
-        conn.close()
 
 
 def _per_front_end(supervisor: int, port: int) -> list[int]:
@@ -95,30 +82,14 @@ def under_load(supervisor: int, port: int, n: int, seconds: float) -> dict[str, 
 
 
 def measure(mode: str, model: Path, a: argparse.Namespace) -> dict[str, Any]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "clipserve", "--workers", "2", *fake_flags(model)]
-    cmd += ["--cache-mb", "0", "--grpc-port", str(free_port()), "--port", str(port)]
-    cmd += ["--host", "127.0.0.1", "--log-level", "warning", *MODES[mode]]
-    proc = subprocess.Popen(cmd, cwd=REPO)
-    try:
-        deadline = time.monotonic() + 120
-        while not _up(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"{mode}: the server did not start")
-            time.sleep(0.5)
+    flags = ["--workers", "2", *fake_flags(model), *MODES[mode]]
+    with clipserve_process(flags, startup_s=120, cwd=REPO) as (proc, url):
+        port = int(url.rsplit(":", 1)[1])
         time.sleep(2)  # both front ends accepting
         return {
             "bursts": bursts(proc.pid, port, a.connections, a.bursts),
             "under_load": under_load(proc.pid, port, a.connections, a.seconds),
         }
-    finally:
-        proc.terminate()  # the supervisor drains and stops its tree
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
 
 
 def smaller_share(counts: list[int]) -> float:
