@@ -20,7 +20,8 @@ each in interleaved rounds (this machine is shared and noisy) with medians and s
               Points with over 1% failed requests stay in the rows, out of the summaries.
   batching    mean batch size (/metrics clipserve_batch_size) at a fixed open-loop rate with a
               20 ms fake batch, N front ends against one: target within 10%.
-  scaling     saturated requests/s of tensor requests with each of --workers-list front ends.
+  scaling     saturated requests/s of tensor requests with each of --workers-list front ends
+              (servers w1, w2, ...; with --scaling-reuse-port also w2r, ...: --reuse-port).
   regression  served images/s at concurrency 32, tiny real model on CPU, JPEGs, --workers 1,
               against --before-tree (a checkout of the commit before issue 8), and the server
               tree's CPU per image (steadier than img/s on a shared machine). Runs with policy.
@@ -30,6 +31,6 @@ each in interleaved rounds (this machine is shared and noisy) with medians and s
     python -m bench.frontend --quick                        # every section, one short round
     git worktree add --detach /tmp/clipserve-before 70dba1d
     python -m bench.frontend --before-tree /tmp/clipserve-before
-    python -m bench.frontend --sections scaling --workers-list 1,2,4,8,14 --client-cores 2
-                                                            # a 16-core host, no GPU needed
+    python -m bench.frontend --sections scaling --workers-list 1,2,4,8,14 --client-cores 2 \
+        --scaling-reuse-port                                # a 16-core host, no GPU needed
 """

@@ -1,7 +1,8 @@
 """The scaling section: saturated requests/s of tensor requests with each of --workers-list
 front ends, and each count's share of linear scaling from one. With --scaling-reuse-port, each
 count above one also with `--reuse-port` (named `wNr`): a socket per front end, so the client's
-connections spread over them rather than gathering on whichever accepts first."""
+connections spread over them rather than gathering on whichever accepts first. Its numbers are
+keyed by server name (w1, w2, w2r: runs before --scaling-reuse-port used the count alone)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def section_scaling(a: argparse.Namespace, model: Path) -> dict[str, Any]:
     if a.scaling_reuse_port:
         flags = [*fake_flags(model), "--reuse-port", "--workers"]
         servers += [clipserve(f"w{n}r", [*flags, str(n)]) for n in a.workers_list if n > 1]
-    front_ends = {s.name: s.front_ends for s in servers}
+    front_ends = {s.name: s.front_ends for s in servers}  # of_linear's divisor
     threads = len(client_cpus) if client_cpus else 1
     rows = []
     with contextlib.ExitStack() as stack, affinity(client_cpus):
@@ -45,10 +46,9 @@ def section_scaling(a: argparse.Namespace, model: Path) -> dict[str, Any]:
             saturate(r, reqs, 1.0, a.connections, threads)
         for rnd in range(a.rounds):
             for r in rotated(up, rnd):
-                name, n = r.server.name, front_ends[r.server.name]
+                name, n = r.server.name, r.server.front_ends
                 conns = max(a.connections, 16 * n)
-                point = saturate(r, reqs, a.seconds, conns, threads)
-                row = {"round": rnd, "server": name, "workers": n, **point}
+                row = {"round": rnd, "workers": n, **saturate(r, reqs, a.seconds, conns, threads)}
                 rows.append(row)
                 say(f"scaling round {rnd} {name}: {row['requests_per_s']} req/s")
     rps = {

@@ -308,8 +308,14 @@ def test_reuse_port_drains_each_front_ends_own_socket(tiny_config: Path, tmp_pat
         try:
             for conn in conns:
                 conn.connect()
-            owners = {s.owner(c.sock.getsockname()[1]) for c in conns if c.sock is not None}
-            assert len(owners) == 2, owners  # 16 by hash on 2 sockets: all on one, p ~ 3e-5
+            ports = [c.sock.getsockname()[1] for c in conns if c.sock is not None]
+
+            def owners() -> set[int | None]:
+                return {s.owner(port) for port in ports}
+
+            until(lambda: None not in owners(), 10, "every connection accepted")
+            assert len(owners()) == 2, owners()  # 16 by hash on 2 sockets: all on one, p ~ 3e-5
+            assert _listening(s.port) == 2
             with ThreadPoolExecutor(len(conns)) as pool:
                 futures = [pool.submit(_post, c) for c in conns]
                 time.sleep(0.1)  # in flight: the fake device takes 200 ms a batch

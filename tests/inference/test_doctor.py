@@ -7,6 +7,9 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
+from clipserve.inference import doctor
 from clipserve.inference.doctor import captured_stderr, provider_reason
 from tests.helpers import run_clipserve
 
@@ -53,13 +56,25 @@ def test_doctor_explains_the_accept_queues_of_front_ends() -> None:
     shared = _findings(run_clipserve("doctor", "--json", "--gpus", "cpu", "--workers", "2").stdout)
     assert "--reuse-port spreads" in shared["accept queues"]["detail"]
     run = run_clipserve("doctor", "--json", "--gpus", "cpu", "--workers", "2", "--reuse-port")
-    found = _findings(run.stdout)["accept queues"]
-    migrate = Path("/proc/sys/net/ipv4/tcp_migrate_req")
-    if not migrate.exists():
-        assert found["status"] == "info" and "Linux 5.14+" in found["detail"]
-    elif migrate.read_text().strip() == "1":
-        assert found["status"] == "ok"
-    else:
-        assert found["status"] == "warn" and "are reset (set it to 1)" in found["detail"]
+    assert "one per front end" in _findings(run.stdout)["accept queues"]["detail"]
     one = _findings(run_clipserve("doctor", "--json", "--gpus", "cpu", "--reuse-port").stdout)
     assert "accept queues" not in one  # one process: no front ends to spread over
+
+
+@pytest.mark.parametrize(
+    ("sysctl", "status", "says"),
+    [
+        ("1", "ok", "a dead one's queue goes to the others"),
+        ("0", "warn", "are reset (set it to 1)"),
+        (None, "info", "Linux 5.14+"),
+    ],
+)
+def test_accept_queues_read_tcp_migrate_req(
+    sysctl: str | None, status: str, says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "tcp_migrate_req"
+    if sysctl is not None:
+        path.write_text(sysctl + "\n")
+    monkeypatch.setattr(doctor, "MIGRATE_REQ", path)
+    found = doctor._accept_queues(reuse_port=True)
+    assert found.status == status and says in found.detail
