@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,8 @@ from typing import Any
 import psutil
 
 from bench.frontend.cli import FAKE_CONFIG
-from bench.frontend.servers import fake_flags
+from bench.frontend.load import spread
+from bench.frontend.servers import fake_flags, wait_front_ends
 from clipserve.loadgen.procs import clipserve_process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,27 +68,28 @@ def bursts(supervisor: int, port: int, n: int, count: int) -> list[list[int]]:
     return out
 
 
-def under_load(supervisor: int, port: int, n: int, seconds: float) -> dict[str, Any]:
+def under_load(supervisor: int, port: int, n: int, seconds: float, report: Path) -> dict[str, Any]:
     bench = [sys.executable, "-m", "clipserve.loadgen", "--url", f"http://127.0.0.1:{port}"]
     bench += ["-p", "raw-tensor", "-c", str(n), "-d", str(seconds), "--warmup", "1"]
-    load = subprocess.Popen(bench, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    load = subprocess.Popen([*bench, "--json", str(report)], stdout=subprocess.DEVNULL)
     time.sleep(1 + seconds / 2)
     counts = _per_front_end(supervisor, port)
-    out, _ = load.communicate(timeout=seconds + 60)
-    rate = next((ln.split()[1] for ln in out.splitlines() if ln.startswith(f"c={n} ")), None)
-    if rate is None:
-        raise SystemExit(f"no c={n} row in the load generator's output:\n{out[-2000:]}")
-    return {"connections": counts, "requests_per_s": float(rate.replace(",", ""))}
+    if load.wait(seconds + 60) != 0 or not report.exists():
+        raise SystemExit(f"the load generator exited {load.returncode} without {report}")
+    point = json.loads(report.read_text())["results"][0]
+    return {"connections": counts, "requests_per_s": point["requests_per_s"]}
 
 
 def measure(mode: str, model: Path, a: argparse.Namespace) -> dict[str, Any]:
     flags = ["--workers", "2", *fake_flags(model), *MODES[mode]]
     with clipserve_process(flags, startup_s=120, cwd=REPO) as (proc, url):
         port = int(url.rsplit(":", 1)[1])
-        time.sleep(2)  # both front ends accepting
+        wait_front_ends(psutil.Process(proc.pid), 2, port)
         return {
             "bursts": bursts(proc.pid, port, a.connections, a.bursts),
-            "under_load": under_load(proc.pid, port, a.connections, a.seconds),
+            "under_load": under_load(
+                proc.pid, port, a.connections, a.seconds, model.with_name(f"load-{mode}.json")
+            ),
         }
 
 
@@ -103,20 +104,11 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         loaded = [smaller_share(r[mode]["under_load"]["connections"]) for r in rounds]
         rates = [r[mode]["under_load"]["requests_per_s"] for r in rounds]
         out[mode] = {
-            "burst_smaller_share": _spread(shares),
-            "under_load_smaller_share": _spread(loaded),
-            "under_load_requests_per_s": _spread(rates),
+            "burst_smaller_share": spread(shares),
+            "under_load_smaller_share": spread(loaded),
+            "under_load_requests_per_s": spread(rates),
         }
     return out
-
-
-def _spread(values: list[float]) -> dict[str, float | int]:
-    return {
-        "median": round(statistics.median(values), 3),
-        "min": round(min(values), 3),
-        "max": round(max(values), 3),
-        "n": len(values),
-    }
 
 
 def main() -> None:

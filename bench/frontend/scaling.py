@@ -37,7 +37,6 @@ def section_scaling(a: argparse.Namespace, model: Path) -> dict[str, Any]:
     if a.scaling_reuse_port:
         flags = [*fake_flags(model), "--reuse-port", "--workers"]
         servers += [clipserve(f"w{n}r", [*flags, str(n)]) for n in a.workers_list if n > 1]
-    front_ends = {s.name: s.front_ends for s in servers}  # of_linear's divisor
     threads = len(client_cpus) if client_cpus else 1
     rows = []
     with contextlib.ExitStack() as stack, affinity(client_cpus):
@@ -62,9 +61,9 @@ def section_scaling(a: argparse.Namespace, model: Path) -> dict[str, Any]:
         "skipped": skipped,
         "requests_per_s": {n: spread(v) for n, v in rps.items() if v},
         "of_linear": {
-            name: round(statistics.median(v) / (front_ends[name] * base), 3)
-            for name, v in rps.items()
-            if v and base
+            s.name: round(statistics.median(rps[s.name]) / (s.front_ends * base), 3)
+            for s in servers
+            if rps[s.name] and base
         },
         "rows": rows,
     }

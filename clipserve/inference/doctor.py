@@ -91,6 +91,7 @@ def _host(config: ServerConfig) -> Iterator[Finding]:
 
 
 MIGRATE_REQ = Path("/proc/sys/net/ipv4/tcp_migrate_req")
+_RESET = "connections queued on a front end that dies are reset"
 
 
 def _accept_queues(reuse_port: bool) -> Finding:
@@ -109,9 +110,6 @@ def _accept_queues(reuse_port: bool) -> Finding:
         return Finding("host", "accept queues", OK, detail)
     detail = f"one per front end; net.ipv4.tcp_migrate_req {migrate}: {_RESET} (set it to 1)"
     return Finding("host", "accept queues", WARN, detail)
-
-
-_RESET = "connections queued on a front end that dies are reset"
 
 
 def _torch() -> Iterator[Finding]:
