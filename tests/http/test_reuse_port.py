@@ -96,7 +96,8 @@ def test_the_held_socket_takes_no_connection() -> None:
             bind_port("127.0.0.1", port, "--host/--port")
 
 
-def test_port_zero_keeps_the_port_it_chose() -> None:
+def test_front_ends_bind_the_port_that_port_zero_chose() -> None:
+    """`--port 0`: each front end binds the port the supervisor's socket got, not a new one."""
     with held_port() as held, beside(held) as own:
         assert held.getsockname()[1] != 0
         assert own.getsockname()[1] == held.getsockname()[1]
