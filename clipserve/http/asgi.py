@@ -32,20 +32,38 @@ from clipserve.http.work import Encoded
 class HeaderMap(Headers):
     """Starlette's `Headers`, looked up in a dict built once: `Headers` scans and decodes the
     whole list on every lookup, and a missing header raises inside `get`. The first of
-    repeated headers wins, as there; uvicorn hands the names lower-cased."""
+    repeated headers wins, as there; uvicorn hands the names lower-cased. Two lookups answer
+    where `Headers` raises: a name outside latin-1 is absent, and a key that is no string is
+    not in it."""
 
     def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
         super().__init__(raw=raw)
-        self._map = {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(raw)}
+        # Raw bytes, decoded as looked up: a request reads a handful of its headers, and a
+        # dict built by `dict` costs one call where decoding every name and value cost two each.
+        self._map = dict(reversed(raw))
 
     def __getitem__(self, key: str) -> str:
-        return self._map[key.lower()]
+        value = self._value(key)
+        if value is None:
+            raise KeyError(key)
+        return value
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key.lower() in self._map
+        return isinstance(key, str) and self._value(key) is not None
 
     def get(self, key: str, default: Any = None) -> Any:
-        return self._map.get(key.lower(), default)
+        try:  # `_value`'s lines: this is the lookup a request makes several times
+            raw = self._map.get(key.lower().encode("latin-1"))
+        except UnicodeEncodeError:
+            return default
+        return default if raw is None else raw.decode("latin-1")
+
+    def _value(self, key: str) -> str | None:
+        try:
+            raw = self._map.get(key.lower().encode("latin-1"))
+        except UnicodeEncodeError:  # no header name has such a character
+            return None
+        return None if raw is None else raw.decode("latin-1")
 
 
 _NO_QUERY = QueryParams(b"")

@@ -216,6 +216,9 @@ class Pipeline(Generic[TicketT]):
             held.ticket.release_all()
         image_held = held if tower == "image" else None
         text_held = held if tower == "text" else None
+        if work.texts is None and work.images is not None:  # most requests: awaited here
+            only = await self.embed_images(work.images, ctx, work.normalize, image_held, work.fresh)
+            return Embedded(images=only, texts=None)
         jobs: list[Awaitable[Completed]] = []
         if work.texts is not None:
             jobs.append(self.embed_texts(work.texts, ctx, work.normalize, text_held, work.fresh))
@@ -246,7 +249,9 @@ class Pipeline(Generic[TicketT]):
         if admitted is None:  # places of its own, held until its images are answered
             async with self.admitted(tower, ctx, todo) as own:
                 return await self._image_rows(work, ctx, normalize, own.ticket, found, fresh)
-        ticket = await self._grown(tower, ctx, todo, admitted)
+        ticket = (
+            admitted.ticket if todo <= admitted.n else await self._grown(tower, ctx, todo, admitted)
+        )
         return await self._image_rows(work, ctx, normalize, ticket, found, fresh)
 
     async def _image_rows(
@@ -265,8 +270,13 @@ class Pipeline(Generic[TicketT]):
         images = await self._fetched(work, ctx) if work.urls else work
         if work.urls:
             found = await self._cached(tower, ctx, images, normalize, fresh, lookup=False)
+        only = found.missing if found else None
         with ctx.timer.measure("decode"):
-            arrays = await self._images(images, found.missing if found else None)
+            if images.tensor is not None:  # zero-copy rows, stacked on the device thread
+                picked = range(images.count) if only is None else only
+                arrays = [images.tensor[i] for i in picked]
+            else:
+                arrays = await self._decoded(images, only)
         return await self._run(tower, ticket, arrays, ctx, normalize, found, fresh)
 
     async def embed_texts(
@@ -306,11 +316,11 @@ class Pipeline(Generic[TicketT]):
             images[i] = data
         return dataclasses.replace(work, images=images, urls={})
 
-    async def _images(self, work: ImageWork, only: Sequence[int] | None = None) -> list[np.ndarray]:
-        """The images (those at `only`: not cached) ready for the tower."""
+    async def _decoded(
+        self, work: ImageWork, only: Sequence[int] | None = None
+    ) -> list[np.ndarray]:
+        """The encoded images (those at `only`: not cached) decoded in the pool for the tower."""
         picked = range(work.count) if only is None else only
-        if work.tensor is not None:
-            return [work.tensor[i] for i in picked]  # zero-copy rows; stacked on the device thread
         # The decoder, or with --decode gpu the header checks (JPEG bytes pass through).
         prepare = self.runtime.image_input or self.runtime.decoder
         results: list[np.ndarray | BaseException]
