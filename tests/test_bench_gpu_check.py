@@ -79,11 +79,13 @@ def test_skip_leaves_sections_out_of_the_run_and_its_budget(tmp_path: Path) -> N
         "executor:torch+fp16+compile",
         "served:tensor-d2",
         "served:tensor-d3",
+        "served:single",
     ]
     assert [n for n in kept if chosen(n, None, ["executor:torch+fp16+compile"])] == [
         "executor:torch+fp16",
         "served:tensor-d2",
         "served:tensor-d3",
+        "served:single",
     ]
     full = default_budget(plan, ["executor:torch+fp16"], [])
     assert default_budget(plan, ["executor:torch+fp16"], ["executor:torch+fp16+"]) == full - 200
@@ -92,11 +94,14 @@ def test_skip_leaves_sections_out_of_the_run_and_its_budget(tmp_path: Path) -> N
 def test_served_loads_fit_the_body_budget() -> None:
     """The first GPU run's tensor load (64 requests of 64 images) overran the default 256 MiB
     and measured 503s; each load now asks for room for all its bodies, never below the default."""
-    for payload in ("tensor", "jpeg"):
+    for payload in ("tensor", "single", "jpeg"):
         for quick in (False, True):
             load = Load.of(payload, quick)
             body = load.images_per_request * 224 * 224 * 3
             assert load.body_bytes() >= max(load.concurrency * body, 2**28)
+    single = Load.of("single", False)
+    assert (single.kind, single.images_per_request) == ("raw-tensor", 1)
+    assert single.concurrency >= 256  # enough in flight to fill the batches of one engine
 
 
 @pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
@@ -122,6 +127,7 @@ def test_cpu_quick_run_end_to_end(tmp_path: Path) -> None:
         "pipelined:torch",
         "decoders",
         "served:tensor-d2",
+        "served:single",
         "served:jpeg",
     ]
     assert {n: s["status"] for n, s in sections.items()} == dict.fromkeys(sections, "ok"), {
@@ -134,13 +140,18 @@ def test_cpu_quick_run_end_to_end(tmp_path: Path) -> None:
     decoders = sections["decoders"]["result"]
     assert decoders["pillow"]["images_per_s"] > 0 and decoders["device"]["images_per_s"] > 0
     assert decoders["decode_processes"]["cpu"]["rows_equal"] is True  # through shared memory
-    for name in ("served:tensor-d2", "served:jpeg"):
+    for name in ("served:tensor-d2", "served:single", "served:jpeg"):
         served = sections[name]["result"]
         assert served["images_per_s"] > 0 and served["statuses"].get("200", 0) > 0
         # A window of 2.5 s with CPU batches of up to a second: edges weigh, hence the margin.
         assert isinstance(served["device_busy"], float) and 0 < served["device_busy"] <= 3
+        # Who ran out first: one server process here (no --workers), and the load generator.
+        assert served["cores_busy"]["root"] > 0 and served["cores_busy"]["load generator"] > 0
     summary = doc["summary"]
     assert summary["served_jpeg_images_per_s"] == sections["served:jpeg"]["result"]["images_per_s"]
+    single = sections["served:single"]["result"]
+    assert single["images_per_request"] == 1
+    assert summary["served_single_requests_per_s"] == single["requests_per_s"] > 0
     assert set(summary["targets"]) == {"engine_fp16", "device_busy", "served_tensor", "served_jpeg"}
 
 

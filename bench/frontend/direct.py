@@ -3,7 +3,8 @@ with an HTTP/1.1 path of clipserve's own, measured before anyone builds one.
 
 The app is the served one (`create_app`, its lifespan: the towers, the batcher, the pipeline,
 the collector's threshold), and every request runs the real `/embed` endpoint: the door's call,
-`Pipeline.run`, the encoded answer. Left out is everything between the socket and the endpoint:
+`Pipeline.run`, the encoded answer, with the connection's disconnect watch in its scope as the
+served protocol puts it there. Left out is everything between the socket and the endpoint:
 uvicorn's protocol and cycle, the ASGI layers (the request observer, the fast lane) and their
 contracts (request ids from the client, metrics by route, access lines, error pages, limits).
 So the number is a lower bound on what such a path could reach, not a server to deploy.
@@ -28,6 +29,7 @@ from clipserve.http.app import create_app
 from clipserve.http.door import InferenceEndpoint
 from clipserve.http.doors import DOORS
 from clipserve.http.observer import new_request_id
+from clipserve.http.request import WATCH_SCOPE_KEY, DisconnectWatch
 from clipserve.inference.runtime import build_runtime
 
 
@@ -47,11 +49,13 @@ class Direct(Bare):
         super().__init__()
         self.state = state
         self.endpoint = endpoint
-        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # The connection's going away, as the served protocol gives it (http/server.py): a
+        # request's wait learns of it without a task of its own.
+        self.watch = DisconnectWatch()
         self.headers: list[tuple[bytes, bytes]] = []
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost.set_result(None)
+        self.watch.lost()
 
     def on_message_begin(self) -> None:
         self.headers = []
@@ -70,15 +74,15 @@ class Direct(Bare):
             "query_string": b"",
             "headers": headers,
             "state": {**self.state, "request_id": new_request_id()},
+            WATCH_SCOPE_KEY: self.watch,
         }
 
         given: list[bytes] = [body]
 
         async def receive() -> Message:
-            if given:  # the body once; then, as a server does, wait for a disconnect
+            if given:  # the body once; a disconnect is the watch's to tell
                 return {"type": "http.request", "body": given.pop(), "more_body": False}
-            await self.lost
-            return {"type": "http.disconnect"}
+            raise RuntimeError("the body was read: the pipeline waits on the watch")
 
         sent: list[Message] = []
 

@@ -25,6 +25,9 @@ whatever it measured so far, and the run goes on):
   served:tensor-dN  served uint8-tensor rate through clipserve-bench and the device-busy ratio
                     (Δ clipserve_device_busy_seconds / wall, else Δ batch time / wall), one per
                     --pipeline-depth given where the server has that flag
+  served:single     served single-image uint8-tensor requests/s (512 in flight): where one
+                    engine's loop, not the device, sets the rate (every served section records
+                    the cores its processes and the load generator kept busy: cores_busy)
   served:jpeg       served JPEG rate (with --decode gpu where the server has that flag)
 The whole run keeps within --budget-s (default: the sum of the sections' limits, so none is
 skipped for time unless asked): a section starts with what is left

@@ -72,6 +72,7 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         "engine_best_images_per_s": engine,
         "device_busy": max(busy) if busy else "not available",
         "served_tensor_images_per_s": {n: r.get("images_per_s") for n, r in tensor.items()},
+        "served_single_requests_per_s": ok("served:single").get("requests_per_s"),
         "served_jpeg_images_per_s": ok("served:jpeg").get("images_per_s"),
         "pipelined_vs_run": {
             n.split(":", 1)[1]: pipelined_summary(ok(n))

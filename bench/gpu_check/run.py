@@ -36,6 +36,7 @@ def sections(plan: Plan) -> list[tuple[str, float]]:
     out += [(f"pipelined:{v}", 150.0) for v in pipelined_variants(plan)]
     out.append(("decoders", 180.0))
     out += [(f"served:tensor-d{d}", 150.0) for d in plan.depths]
+    out.append(("served:single", 150.0))
     out.append(("served:jpeg", 150.0))
     return out
 

@@ -1,11 +1,14 @@
 """The served sections: clipserve on the device, driven by clipserve-bench over HTTP; uint8
-tensors at each --pipeline-depth (the served_tensor and device_busy targets) and JPEGs, decoded
-on the device where the server can (served_jpeg). The device-busy ratio is read from /metrics
-inside the measured window."""
+tensors at each --pipeline-depth (the served_tensor and device_busy targets), single-image
+tensor requests (whose rate one engine's loop may set: by its CPU on the development machine,
+~30k requests/s, near the device's rate for ViT-B-32 FP16), and JPEGs, decoded on the device
+where the server can (served_jpeg). The device-busy ratio and each process's CPU are read
+inside the measured window, so a result says what ran out first."""
 
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
 import threading
@@ -16,6 +19,7 @@ from typing import Any
 
 from bench.common import REPO
 from bench.gpu_check.plan import Emit, Plan
+from bench.gpu_check.proc_cpu import Snapshot, cores_busy, snapshot
 from bench.metrics import has, scrape, total
 from clipserve.loadgen.procs import clipserve_process
 
@@ -35,7 +39,13 @@ class Load:
 
     @classmethod
     def of(cls, payload: str, quick: bool) -> Load:
-        kind = "raw-tensor" if payload == "tensor" else "msgpack-images"
+        kind = "msgpack-images" if payload == "jpeg" else "raw-tensor"
+        if payload == "single":  # one image a request: the engine's per-request ceiling
+            if quick:
+                return cls(kind, 1, concurrency=8, procs=1, duration_s=4.0, warmup_s=1.0)
+            # Batches of a few hundred images need that many requests in flight, and ~30k
+            # requests/s more client processes than the other loads.
+            return cls(kind, 1, concurrency=512, procs=6, duration_s=15.0, warmup_s=3.0)
         if quick:
             return cls(kind, 8, concurrency=4, procs=1, duration_s=4.0, warmup_s=1.0)
         per_request = 64 if payload == "tensor" else 16
@@ -87,15 +97,20 @@ def counters(url: str) -> dict[str, float]:
     }
 
 
-def scrape_in_window(url: str, load: Load, scrapes: list[dict[str, float]]) -> None:
-    """Two reads of the counters inside the measured window, away from its edges."""
+def scrape_in_window(
+    url: str, load: Load, scrapes: list[dict[str, float]], cpu: list[Snapshot], pid: int
+) -> None:
+    """Two reads of the counters and the server's CPU inside the measured window, away from
+    its edges."""
     first = counters(url)
     while counters(url)["batches"] == first["batches"]:  # the load has begun
         time.sleep(0.2)
     time.sleep(load.warmup_s + 0.5)
-    scrapes.append(counters(url))
-    time.sleep(max(0.5, load.duration_s - 1.5))
-    scrapes.append(counters(url))
+    port = int(url.rsplit(":", 1)[1])
+    for wait_s in (0.0, max(0.5, load.duration_s - 1.5)):
+        time.sleep(wait_s)
+        scrapes.append(counters(url))
+        cpu.append(snapshot(pid, port))
 
 
 def section_served(plan: Plan, emit: Emit, payload: str, depth: int | None) -> dict[str, Any]:
@@ -114,11 +129,15 @@ def section_served(plan: Plan, emit: Emit, payload: str, depth: int | None) -> d
     out["server_flags"] = flags
     out["workers"] = plan.workers if "--workers" in flags else 1
     scrapes: list[dict[str, float]] = []
-    with clipserve_process(flags, startup_s=300) as (_, url):
+    cpu: list[Snapshot] = []
+    with clipserve_process(flags, startup_s=300) as (server, url):
         report = Path(plan.out_dir) / f"loadgen-{payload}-{depth}.json"
-        scraper = threading.Thread(target=scrape_in_window, args=(url, load, scrapes), daemon=True)
+        args = (url, load, scrapes, cpu, server.pid)
+        scraper = threading.Thread(target=scrape_in_window, args=args, daemon=True)
         scraper.start()
+        client0, t0 = _children_cpu_s(), time.monotonic()
         gen = subprocess.run(load.command(url, report), cwd=REPO, capture_output=True, text=True)
+        client_s, client_wall = _children_cpu_s() - client0, time.monotonic() - t0
         scraper.join(timeout=30)
         if gen.returncode != 0 or not report.exists():
             raise RuntimeError(f"clipserve-bench exited {gen.returncode}: {gen.stderr[-800:]}")
@@ -132,7 +151,20 @@ def section_served(plan: Plan, emit: Emit, payload: str, depth: int | None) -> d
     # Refusals mean the load outran an admission limit: the rate is then not the device path's.
     out["not_200_share"] = round(1 - point["statuses"].get("200", 0) / max(answered, 1), 3)
     out.update(device_busy(scrapes))
+    # Which ran out first: the engine's loop (its busiest thread near 1), the front ends (near
+    # --workers), the load generator (near its --procs; over its whole run) or the device.
+    busy: dict[str, Any] = {"load generator": round(client_s / client_wall, 3)}
+    if len(scrapes) == 2 and len(cpu) == 2:
+        busy.update(cores_busy(cpu[0], cpu[1], scrapes[1]["t"] - scrapes[0]["t"]))
+    out["cores_busy"] = busy
     return out
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's children waited for so far (the load generator's
+    processes, once its run returns; the server is waited for only after)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def device_busy(scrapes: list[dict[str, float]]) -> dict[str, Any]:
