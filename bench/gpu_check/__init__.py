@@ -27,7 +27,8 @@ whatever it measured so far, and the run goes on):
                     --pipeline-depth given where the server has that flag
   served:single     served single-image uint8-tensor requests/s (512 in flight): where one
                     engine's loop, not the device, sets the rate (every served section records
-                    the cores its processes and the load generator kept busy: cores_busy)
+                    the cores busy by role, the engine's loop thread, the load generator and
+                    the host over device_busy's window: cores_busy)
   served:jpeg       served JPEG rate (with --decode gpu where the server has that flag)
 The whole run keeps within --budget-s (default: the sum of the sections' limits, so none is
 skipped for time unless asked): a section starts with what is left

@@ -5,8 +5,8 @@ the device ran out first.
 The roles, as bench/frontend/servers.py tells them apart: the root process (the supervisor under
 --workers N, else the one server), the front ends (the children that hold a listening socket on
 the server's port: the shared one, or their own with --reuse-port) and the engine (the other
-child, not multiprocessing's resource tracker). The engine's busiest thread is its event loop
-at saturation.
+child, not multiprocessing's resource tracker), each with its descendants. The engine's event
+loop runs on its main thread, whose id is its pid.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 PROC = Path("/proc")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -86,51 +87,83 @@ def _holds(pid: int, inodes: set[str]) -> bool:
 
 @dataclass
 class Snapshot:
-    """CPU seconds so far: by role, and each engine thread's."""
+    """CPU seconds so far: by role (and the processes each counted), each engine thread's,
+    and the whole host's."""
 
     by_role: dict[str, float] = field(default_factory=dict)
+    pids: dict[str, set[int]] = field(default_factory=dict)
     engine_threads: dict[int, float] = field(default_factory=dict)
+    engine_pid: int = 0
+    host_s: float = 0.0
 
 
 def _cmdline(pid: int) -> str:
     try:
-        return (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        raw = (PROC / str(pid) / "cmdline").read_bytes()
     except OSError:
         return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace")
 
 
-def snapshot(root: int, port: int) -> Snapshot:
+def host_busy_s() -> float:
+    """Seconds all the host's CPUs spent on anything but idle and I/O wait (/proc/stat)."""
+    try:
+        first = (PROC / "stat").read_text().splitlines()[0].split()
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in first[1:9])
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
+def snapshot(root: int, port: int, others: dict[str, int] | None = None) -> Snapshot:
     """The root's own CPU, and each child's with everything below it: a child that holds the
     port is a front end, multiprocessing's resource tracker is "other", and any other child of
     a root with front ends is the engine (with one front end, the root serves, and its
-    children are "other")."""
+    children are "other"). `others`: more process trees by role (the load generator)."""
     inodes = listening_inodes(port)
     children = children_of()
-    snap = Snapshot({"root": _cpu_s(PROC / str(root) / "stat")})
+    snap = Snapshot(host_s=host_busy_s())
+
+    def count(role: str, pid: int, tree: bool = True) -> None:
+        pids = _subtree(pid, children) if tree else [pid]
+        spent = sum(_cpu_s(PROC / str(p) / "stat") for p in pids)
+        snap.by_role[role] = snap.by_role.get(role, 0.0) + spent
+        snap.pids.setdefault(role, set()).add(pid)
+
+    count("root", root, tree=False)
     direct = children.get(root, [])
     fronts = {c for c in direct if _holds(c, inodes)}
     for child in direct:
         if child in fronts:
-            role = "front ends"
+            count("front ends", child)
         elif fronts and "resource_tracker" not in _cmdline(child):
-            role = "engine"
+            count("engine", child)
+            snap.engine_pid = child
             for task in (PROC / str(child) / "task").glob("[0-9]*"):
                 snap.engine_threads[int(task.name)] = _cpu_s(task / "stat")
         else:
-            role = "other"
-        spent = sum(_cpu_s(PROC / str(pid) / "stat") for pid in _subtree(child, children))
-        snap.by_role[role] = snap.by_role.get(role, 0.0) + spent
+            count("other", child)
+    for role, pid in (others or {}).items():
+        count(role, pid)
     return snap
 
 
-def cores_busy(before: Snapshot, after: Snapshot, wall_s: float) -> dict[str, float]:
-    """Cores each role kept busy between two snapshots, and the engine's busiest thread (its
-    loop at saturation reads near 1)."""
-    out = {
+def cores_busy(before: Snapshot, after: Snapshot, wall_s: float) -> dict[str, Any]:
+    """Cores each role kept busy between two snapshots; the engine's event loop (its main
+    thread: near 1 at saturation) and busiest other thread (the device or a stacking thread);
+    the whole host's; and the roles whose processes changed in between (a restart), whose
+    figures then mean little."""
+    out: dict[str, Any] = {
         role: round((after.by_role.get(role, 0.0) - before.by_role.get(role, 0.0)) / wall_s, 3)
         for role in after.by_role
     }
-    threads = [s - before.engine_threads.get(t, 0.0) for t, s in after.engine_threads.items()]
-    if threads:
-        out["engine busiest thread"] = round(max(threads) / wall_s, 3)
+    spent = {t: s - before.engine_threads.get(t, 0.0) for t, s in after.engine_threads.items()}
+    if after.engine_pid in spent:
+        out["engine loop thread"] = round(spent.pop(after.engine_pid) / wall_s, 3)
+    if spent:
+        out["engine busiest other thread"] = round(max(spent.values()) / wall_s, 3)
+    out["host"] = round((after.host_s - before.host_s) / wall_s, 3)
+    changed = sorted(r for r in after.pids if after.pids[r] != before.pids.get(r))
+    if changed:
+        out["changed during the window"] = changed
     return out

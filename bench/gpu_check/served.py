@@ -8,7 +8,6 @@ inside the measured window, so a result says what ran out first."""
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 import threading
@@ -98,19 +97,24 @@ def counters(url: str) -> dict[str, float]:
 
 
 def scrape_in_window(
-    url: str, load: Load, scrapes: list[dict[str, float]], cpu: list[Snapshot], pid: int
+    url: str,
+    load: Load,
+    scrapes: list[dict[str, float]],
+    cpu: list[Snapshot],
+    pids: tuple[int, int],
 ) -> None:
-    """Two reads of the counters and the server's CPU inside the measured window, away from
-    its edges."""
+    """Two reads of the counters and of the CPU of the server's and the load generator's
+    processes (`pids`) inside the measured window, away from its edges."""
     first = counters(url)
     while counters(url)["batches"] == first["batches"]:  # the load has begun
         time.sleep(0.2)
     time.sleep(load.warmup_s + 0.5)
     port = int(url.rsplit(":", 1)[1])
+    server, generator = pids
     for wait_s in (0.0, max(0.5, load.duration_s - 1.5)):
         time.sleep(wait_s)
         scrapes.append(counters(url))
-        cpu.append(snapshot(pid, port))
+        cpu.append(snapshot(server, port, {"load generator": generator}))
 
 
 def section_served(plan: Plan, emit: Emit, payload: str, depth: int | None) -> dict[str, Any]:
@@ -132,15 +136,20 @@ def section_served(plan: Plan, emit: Emit, payload: str, depth: int | None) -> d
     cpu: list[Snapshot] = []
     with clipserve_process(flags, startup_s=300) as (server, url):
         report = Path(plan.out_dir) / f"loadgen-{payload}-{depth}.json"
-        args = (url, load, scrapes, cpu, server.pid)
+        gen = subprocess.Popen(
+            load.command(url, report),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        args = (url, load, scrapes, cpu, (server.pid, gen.pid))
         scraper = threading.Thread(target=scrape_in_window, args=args, daemon=True)
         scraper.start()
-        client0, t0 = _children_cpu_s(), time.monotonic()
-        gen = subprocess.run(load.command(url, report), cwd=REPO, capture_output=True, text=True)
-        client_s, client_wall = _children_cpu_s() - client0, time.monotonic() - t0
+        _, err = gen.communicate()
         scraper.join(timeout=30)
         if gen.returncode != 0 or not report.exists():
-            raise RuntimeError(f"clipserve-bench exited {gen.returncode}: {gen.stderr[-800:]}")
+            raise RuntimeError(f"clipserve-bench exited {gen.returncode}: {err[-800:]}")
     point = json.loads(report.read_text())["results"][0]
     out["pipeline_depth"] = depth if depth is not None else out.get("pipeline_depth")
     out["images_per_request"] = load.images_per_request
@@ -151,20 +160,14 @@ def section_served(plan: Plan, emit: Emit, payload: str, depth: int | None) -> d
     # Refusals mean the load outran an admission limit: the rate is then not the device path's.
     out["not_200_share"] = round(1 - point["statuses"].get("200", 0) / max(answered, 1), 3)
     out.update(device_busy(scrapes))
-    # Which ran out first: the engine's loop (its busiest thread near 1), the front ends (near
-    # --workers), the load generator (near its --procs; over its whole run) or the device.
-    busy: dict[str, Any] = {"load generator": round(client_s / client_wall, 3)}
+    # Which ran out first, over device_busy's window: the engine's loop thread (near 1), the
+    # front ends (near --workers), the load generator (near its --procs), the host (near its
+    # cores) or the device.
     if len(scrapes) == 2 and len(cpu) == 2:
-        busy.update(cores_busy(cpu[0], cpu[1], scrapes[1]["t"] - scrapes[0]["t"]))
-    out["cores_busy"] = busy
+        out["cores_busy"] = cores_busy(cpu[0], cpu[1], scrapes[1]["t"] - scrapes[0]["t"])
+    else:
+        out["cores_busy"] = "not available (no reads inside the window)"
     return out
-
-
-def _children_cpu_s() -> float:
-    """CPU seconds of this process's children waited for so far (the load generator's
-    processes, once its run returns; the server is waited for only after)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 def device_busy(scrapes: list[dict[str, float]]) -> dict[str, Any]:
