@@ -185,13 +185,12 @@ def test_timeout_gets_504_and_unstarted_items_never_run(serve: Serve) -> None:
         backend="fake", backend_option=["latency_ms=600"], max_batch_size=1, request_timeout_s=0.3
     )
     responses = asyncio.run(post_many(server, [marked_png(1), marked_png(2), marked_png(3)]))
-    assert responses[0].status_code == 504
-    assert responses[0].json()["error"]["code"] == "timeout"
-    # The cost model, seeded at start-up, knows a batch takes 600 ms: those behind the first
-    # are refused on arrival, or, where one got in, time out unstarted.
-    for later in responses[1:]:
-        code = later.json()["error"]["code"]
-        assert (later.status_code, code) in {(503, "overloaded"), (504, "timeout")}
+    answers = [(r.status_code, r.json()["error"]["code"]) for r in responses]
+    # Sent at once, they reach the server in any order: the first to arrive starts and runs
+    # past its deadline (504). The cost model, seeded at start-up, knows a batch takes 600 ms:
+    # those behind it are refused on arrival, or, where one got in, time out unstarted.
+    assert (504, "timeout") in answers, answers
+    assert set(answers) <= {(503, "overloaded"), (504, "timeout")}, answers
     fake = server.state.runtime.executors[0]
     # The first batch done and nothing queued or taken after it: whatever was to run has run.
     until(lambda: fake.batches and tower_idle(server.state.towers["image"]))
