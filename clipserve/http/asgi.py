@@ -43,27 +43,20 @@ class HeaderMap(Headers):
         self._map = dict(reversed(raw))
 
     def __getitem__(self, key: str) -> str:
-        value = self._value(key)
+        value: str | None = self.get(key)
         if value is None:
             raise KeyError(key)
         return value
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self._value(key) is not None
+        return isinstance(key, str) and self.get(key) is not None
 
     def get(self, key: str, default: Any = None) -> Any:
-        try:  # `_value`'s lines: this is the lookup a request makes several times
-            raw = self._map.get(key.lower().encode("latin-1"))
-        except UnicodeEncodeError:
-            return default
-        return default if raw is None else raw.decode("latin-1")
-
-    def _value(self, key: str) -> str | None:
         try:
             raw = self._map.get(key.lower().encode("latin-1"))
         except UnicodeEncodeError:  # no header name has such a character
-            return None
-        return None if raw is None else raw.decode("latin-1")
+            return default
+        return default if raw is None else raw.decode("latin-1")
 
 
 _NO_QUERY = QueryParams(b"")
