@@ -52,6 +52,7 @@ class Batcher:
         timed after its warm-up, the start of its worker's cost model."""
         self.kind = kind
         self.cache = cache
+        self._loop = asyncio.get_running_loop()  # asked for per request, it costs a getpid()
         self.max_batch_size = config.max_batch_size
         self.admission = Admission(config.max_queue_size, "images" if kind == "image" else "texts")
         self.queue = BatchQueue(
@@ -252,9 +253,8 @@ class Batcher:
         if keys is not None and len(keys) != len(arrays):  # before anything is held
             raise ValueError(f"{len(keys)} cache keys for {len(arrays)} items")
         deadline = ticket.deadline if deadline is None else deadline
-        loop = asyncio.get_running_loop()
         now = time.perf_counter()
-        gathering = Gathering(loop.create_future(), len(arrays))
+        gathering = Gathering(self._loop.create_future(), len(arrays))
         flights: list[Flight] = []  # keyed items this request waits on, its own or joined
         if self.cache is None or keys is None:  # one ticket: each item releases its place
             shared = ticket.split(len(arrays))
@@ -275,7 +275,7 @@ class Batcher:
                         array,
                         normalize,
                         request_id,
-                        loop.create_future(),
+                        self._loop.create_future(),
                         ticket.split(1),
                         now,
                         deadline,

@@ -313,8 +313,7 @@ class EngineService:
             rows = completed.embeddings
             arena = front.arena
             assert arena is not None  # a front end's runs end with its arena
-            for slot, row in zip(msg["slots"], rows, strict=True):
-                arena.write(slot, row)
+            arena.write_rows(msg["slots"], rows)
             done: DoneFrame = {
                 "t": "done",
                 "id": msg["id"],

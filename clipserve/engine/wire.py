@@ -10,11 +10,12 @@ Front end → engine:
   lookup  {id, tower, keys}                   the embedding cache's rows for these keys, before
                                               anything is admitted or decoded; answered by
                                               `found`
-  run     {id, ids, tower, slots, dtype, shapes, normalize, rid, keys, fresh}
+  run     {id, ids, tower, slots, dtype, shapes, normalize, rid, keys?, fresh?}
                                               the items are in `slots`, one per item, all of
                                               `dtype`; `ids`: the admissions it uses (`id` is the
-                                              first); `keys`: each item's cache key (or null),
-                                              `fresh`: no-cache; answered by `done` or `error`
+                                              first); `keys`: each item's cache key (or null;
+                                              absent: none), `fresh`: no-cache (absent: false);
+                                              answered by `done` or `error`
   release {ids}                               give back admissions never run (no answer)
   cancel  {id}                                the client went away: the run ends early, still
                                               with its one answer (`error`; `done` if it had

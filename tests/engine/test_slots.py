@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -35,6 +37,58 @@ def test_items_and_embeddings_cross_between_two_mappings(path: object) -> None:
         engine.view(0, np.float32, (3, 225, 225))  # bigger than a slot
     engine.close()
     front.close(unlink=True)
+    assert not path.exists()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 12])  # rows one by one, and by a list of slots
+def test_embedding_rows_cross_back_into_their_own_slots(path: object, n: int) -> None:
+    front = SlotArena(path, 16, 4096, create=True)  # type: ignore[arg-type]
+    engine = SlotArena(path, 16, 4096, create=False)  # type: ignore[arg-type]
+    image = np.full(4096, 7, np.uint8)
+    taken = front.take(16)
+    for slot in taken:
+        front.write(slot, image)  # what an item left there
+    slots = taken[::-1][:n]  # out of order: each row to its own slot
+    rows = np.random.default_rng(n).standard_normal((n, 512)).astype(np.float32)
+    engine.write_rows(slots, rows)
+    back = front.read_rows(slots, 512)
+    np.testing.assert_array_equal(back, rows)
+    assert back.dtype == np.float32 and back.flags.owndata  # a copy: the slots are reused
+    engine.write_rows(slots, np.zeros((n, 512), np.float32))
+    np.testing.assert_array_equal(back, rows)
+    for slot in set(taken) - set(slots):  # no other slot touched
+        np.testing.assert_array_equal(front.view(slot, np.uint8, (4096,)), image)
+    for slot in slots:  # past the row, the slot is as the item left it
+        np.testing.assert_array_equal(front.view(slot, np.uint8, (4096,))[2048:], image[2048:])
+    with pytest.raises(ValueError):
+        engine.write_rows(slots, rows[:-1])  # a row short
+    with pytest.raises(ValueError):
+        engine.write_rows([16], rows[:1])  # no such slot
+    with pytest.raises(ValueError):
+        front.read_rows([-1], 512)  # a negative slot is not the last one
+    with pytest.raises(ValueError):
+        front.read_rows([0], 1025)  # longer than a slot
+    engine.close()
+    front.close(unlink=True)
+
+
+def test_closing_an_arena_keeps_the_memory_its_views_still_read(path: object) -> None:
+    """The engine closes a gone front end's arena while its items may still be copied into a
+    batch: their views must keep the mapping (unmapped, reading one is a segfault, so this runs
+    in a process of its own)."""
+    code = (
+        "import sys, numpy as np; from pathlib import Path; "
+        "from clipserve.engine.slots import SlotArena; "
+        "a = SlotArena(Path(sys.argv[1]), 4, 4096, create=True); "
+        "item = a.view(1, np.uint8, (64, 64)); item[...] = 3; "
+        "a.write_rows([2], np.ones((1, 8), np.float32)); "
+        "a.close(unlink=True); "
+        "print(int(item.sum()), int(np.stack([item, item]).sum()))"
+    )
+    argv = [sys.executable, "-c", code, str(path)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["12288", "24576"]
     assert not path.exists()  # type: ignore[attr-defined]
 
 
