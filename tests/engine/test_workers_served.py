@@ -367,6 +367,7 @@ def test_a_killed_front_end_fails_only_its_requests_and_comes_back(server: Serve
     for t in threads:
         t.start()
     until(lambda: all(len(results[pid]) >= 3 for pid in held), 30, "both front ends serving")
+    engine = server.engine().pid
     os.kill(victim, signal.SIGKILL)
     served_before = len(results[survivor])
 
@@ -384,6 +385,7 @@ def test_a_killed_front_end_fails_only_its_requests_and_comes_back(server: Serve
     assert not list(shm_dir().glob(f"clipserve-{server.proc.pid}-{victim}.*"))  # slots removed
     server.wait_ready(60)  # restarted: two front ends again, and ready
     assert victim not in {p.pid for p in server.front_ends()}
+    assert server.engine().pid == engine  # the engine outlived the front end it served
     again = server.spread(per_front_end=2)
     assert _post_all([c for cs in again.values() for c in cs]) == [200] * 4
 
