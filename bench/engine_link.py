@@ -16,9 +16,11 @@ own checkout (`--tree name=path`; a `git worktree` of the commit before, say):
 With --callgrind, the engine's instructions per request instead of its CPU time (which drifts
 with this machine's speed by more than a small change saves): each tree's engine runs under
 callgrind, instrumented only while the driver sends a fixed number of requests, twice (N and
-4N), and the difference over 3N is its count per request, every thread of the engine included.
+4N), and the difference over 3N is its count per request, every thread of the engine included
+(its timers slowed to once an hour: they are work per second, not per request). `--keep DIR`
+keeps callgrind's files for `callgrind_annotate`.
 
-    python -m bench.engine_link --callgrind --tree before=/tmp/before --requests 384
+    python -m bench.engine_link --callgrind --tree before=/tmp/before --requests 128
 """
 
 from __future__ import annotations
@@ -267,7 +269,7 @@ def main() -> None:
     p.add_argument("--connections", type=int, default=64)
     p.add_argument("--out", type=Path)
     p.add_argument("--callgrind", action="store_true", help="instructions, not CPU time")
-    p.add_argument("--requests", type=int, default=384, help="--callgrind: N (and 4N)")
+    p.add_argument("--requests", type=int, default=128, help="--callgrind: N (and 4N)")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--keep", type=Path, help="--callgrind: a folder for its files, a tree each")
     p.add_argument("--count", type=int, help=argparse.SUPPRESS)  # requests a client

@@ -179,6 +179,7 @@ class EngineLink:
         self._task: asyncio.Task[None] | None = None
         self._first = asyncio.get_running_loop().create_future()
         self.timeout_s = config.http.heartbeat_timeout_s
+        self._frame_limit = wire.found_limit(config.limits.max_items_per_request, card["embed_dim"])
         self._heard = time.monotonic()  # the engine's last frame
         self._beats: HeartbeatWriter | None = None
         self._beating: asyncio.Task[None] | None = None
@@ -206,7 +207,7 @@ class EngineLink:
     def snapshot(self) -> Status:
         """The engine's last pushed status; every worker dead while it is not connected or
         silent too long."""
-        why = ENGINE_GONE if not self.connected else self.silence()
+        why = self.refusal()
         if why is None:
             return self.status
         towers: dict[TowerKind, list[WorkerRow]] = {
@@ -242,7 +243,8 @@ class EngineLink:
         while True:
             try:
                 _, channel = await loop.create_unix_connection(
-                    lambda: wire.FrontChannel(self._on_frame, self._lost), self.socket_path
+                    lambda: wire.FrontChannel(self._on_frame, self._lost, self._frame_limit),
+                    self.socket_path,
                 )
             except OSError:
                 await asyncio.sleep(RECONNECT_S)
@@ -282,8 +284,10 @@ class EngineLink:
         self.connected = False
         self._channel = None
         pending, self._pending = self._pending, {}
-        for entry in pending.values():  # the engine is gone: nobody reads or writes the slots
-            self.arena.give_back(entry.slots)
+        for entry in pending.values():
+            # Its slots are not given back: an engine that lives on (the channel closed on a
+            # bad frame) may read them until it sees the loss, as when another front end's
+            # request joined an item through the cache. The next connection has a new file.
             if not entry.future.done():
                 entry.future.set_exception(NotReady(ENGINE_GONE))
 
@@ -300,6 +304,15 @@ class EngineLink:
         entry = self._pending.pop(msg["id"], None)
         if entry is None:
             return
+        try:
+            self._answer(entry, msg)
+        except Exception:  # a frame that does not fit its request: the channel closes
+            if not entry.future.done():  # out of `_pending`, `_lost` would not fail it
+                entry.future.set_exception(NotReady(ENGINE_GONE))
+            raise  # its slots stay out of use, as a lost connection's do
+        self.arena.give_back(entry.slots)  # the engine answered: it is done with them
+
+    def _answer(self, entry: _Pending, msg: ToFront) -> None:
         if msg["t"] == "ok" and entry.future.cancelled():  # admitted for a request gone since
             self.send({"t": "release", "ids": [msg["id"]]})
         elif msg["t"] == "done" and not entry.future.done():
@@ -307,15 +320,15 @@ class EngineLink:
             entry.future.set_result(Completed(rows, msg["queue_s"], msg["compute_s"]))
         elif msg["t"] == "found" and not entry.future.done():
             found: list[np.ndarray | None] = [None] * entry.size
-            rows = np.frombuffer(msg["rows"], "<f4").reshape(len(msg["hits"]), msg["dim"])
-            for index, row in zip(msg["hits"], rows, strict=True):
-                found[index] = row
+            hits = msg["hits"]
+            rows = np.frombuffer(msg["rows"], "<f4").reshape(len(hits), msg["dim"])
+            for i, index in enumerate(hits):  # (a strict zip over rows raises to end)
+                found[index] = rows[i]
             entry.future.set_result(found)
         elif msg["t"] == "error" and not entry.future.done():
             entry.future.set_exception(wire.decode_error(msg["error"]))
         elif not entry.future.done():
             entry.future.set_result(None)
-        self.arena.give_back(entry.slots)  # the engine answered: it is done with them
 
     def send(self, message: ToEngine) -> None:
         if self._channel is not None:
@@ -325,11 +338,15 @@ class EngineLink:
         self._ids += 1
         return self._ids
 
+    def refusal(self) -> str | None:
+        """Why nothing can be sent now (not connected, or silent too long), or None."""
+        return ENGINE_GONE if not self.connected else self.silence()
+
     def expect(
         self, rid: int, slots: list[int] | None = None, size: int = 0
     ) -> asyncio.Future[Answer]:
         """Register for the one answer to `rid`; the slots are given back when it comes."""
-        why = ENGINE_GONE if not self.connected else self.silence()
+        why = self.refusal()
         if why is not None:  # a silent engine would answer by the deadline at best: 503 now
             if slots:
                 self.arena.give_back(slots)
@@ -421,6 +438,9 @@ class RemoteTower:
         if any(a.dtype != first.dtype for a in arrays):
             raise ValueError("a request's items must share one dtype")
         shapes = [list(a.shape) for a in arrays]  # JPEG bytes (--decode gpu) differ in length
+        why = self.link.refusal()
+        if why is not None:  # before any slot is taken: the file may be a lost connection's
+            raise NotReady(why)
         slots = self.link.arena.take(len(arrays))  # Overloaded when none are left
         for slot, array in zip(slots, arrays, strict=True):
             self.link.arena.write(slot, array)

@@ -334,8 +334,10 @@ class EngineService:
 
     def _end(self, front: FrontEnd, started: Started, error: BaseException) -> None:
         """A failed or cancelled run (out of `runs`): its queued items leave, its admission
-        goes back, and its answer waits for any item still reading its slots (shared with
-        another request's run by the cache), since the front end reuses them once answered."""
+        goes back, and its answer waits for any item still reading its slots that another
+        request's run shares through the cache, since the front end reuses them once answered.
+        An item only this run waits for may still be read after the answer (a batch already
+        taken copies it): what it computes from the slot's next contents is never read."""
         reading = started.run.leave()
         started.ticket.release_all()
         msg = started.msg

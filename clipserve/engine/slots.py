@@ -155,6 +155,8 @@ class SlotArena:
             self._mm = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
+            if create:  # ours (O_EXCL): left there, every retry under this name would fail
+                path.unlink(missing_ok=True)
             raise
         self._fd = fd
         self._backed = 0  # slots below this have their pages allocated (see take)

@@ -48,7 +48,7 @@ from clipserve import errors
 from clipserve.engine.messages import EncodedError, ToEngine, ToFront
 
 log = logging.getLogger(__name__)
-MAX_BUFFER = 16 << 20  # frames carry slot numbers, never pixels; `found`: a request's rows
+MAX_BUFFER = 16 << 20  # frames carry slot numbers, never pixels; `found`: see `found_limit`
 
 InT = TypeVar("InT", bound=Mapping[str, object])
 OutT = TypeVar("OutT", bound=Mapping[str, object])
@@ -71,13 +71,18 @@ class Channel(asyncio.Protocol, Generic[InT, OutT]):
     requests with one syscall."""
 
     def __init__(
-        self, on_message: Callable[[InT], None], on_lost: Callable[[], None] = lambda: None
+        self,
+        on_message: Callable[[InT], None],
+        on_lost: Callable[[], None] = lambda: None,
+        max_buffer: int = MAX_BUFFER,
     ) -> None:
         self.on_message = on_message
         self.on_lost = on_lost
         self.transport: StreamTransport | None = None
         self.closed = asyncio.get_running_loop().create_future()
-        self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_BUFFER)
+        # A frame past it closes the channel (msgpack's BufferFull): size it to the largest
+        # frame the peer may send.
+        self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max_buffer)
         self._packer = msgpack.Packer(use_bin_type=True)
         self._out: list[bytes] = []
 
@@ -123,6 +128,12 @@ class Channel(asyncio.Protocol, Generic[InT, OutT]):
         if self.transport is not None:
             self._flush()
             self.transport.close()
+
+
+def found_limit(max_items: int, embed_dim: int) -> int:
+    """What a front end's channel must take: a `found` frame carries the cached rows of a
+    whole request in the frame itself (float32, and an index each), up to `max_items`."""
+    return MAX_BUFFER + max_items * (embed_dim * 4 + 16)
 
 
 # Each side's channel: what it receives, what it sends.

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
-from clipserve.engine.service import EngineService
+from clipserve.engine import wire
+from clipserve.engine.remote import EngineLink, RemoteTower
+from clipserve.engine.service import EngineService, model_card
 from clipserve.engine.slots import SlotArena
 from clipserve.engine.wire import Channel
+from clipserve.errors import NotReady
 from clipserve.inference.runtime import build_runtime
 from clipserve.metrics import Metrics
 from tests.helpers import make_config, random_pixels
@@ -230,5 +236,97 @@ def test_a_run_the_cache_answers_whole_is_done_at_once_and_an_items_error_names_
             assert reply["t"] == "error" and reply["id"] == 3
             assert reply["error"]["message"].startswith("item 1: ")
             assert front.used() == 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["closed", "bad frame"])
+def test_a_lost_connections_slots_are_never_handed_out_again(
+    tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path, how: str
+) -> None:
+    """The front end's channel can close while the engine lives on (a bad frame either way).
+    Until the engine sees it, it may still read the slots of runs under way (and copy an item
+    another front end's request joined through the cache): the front end must not write a
+    new request's item into them. Its runs fail NotReady at once, the one a bad answer was
+    for too; later requests are refused before they take a slot."""
+
+    async def main() -> None:
+        config = make_config(
+            tiny_config, tiny_checkpoint, backend="fake", backend_option=["latency_ms=300"]
+        )
+        runtime = build_runtime(config)
+        sock = tmp_path / "engine.sock"
+        link: EngineLink | None = None
+        try:
+            service = EngineService(runtime, Metrics())
+            stop, ready = asyncio.Event(), asyncio.Event()
+            serving = asyncio.create_task(service.serve(sock, ready.set, stop))
+            await ready.wait()
+            link = EngineLink(str(sock), config, model_card(runtime))
+            await link.start(10)
+            tower = RemoteTower(link, "image")
+            async with asyncio.timeout(10):
+                deadline = time.perf_counter() + 10
+                ticket = await tower.reserve(1, deadline)
+                run = asyncio.create_task(
+                    tower.run(ticket, [random_pixels(1)], normalize=True, request_id="r1")
+                )
+                await asyncio.sleep(0.05)  # its item in slot 0 (lowest first), computing
+                later = await tower.reserve(1, deadline)  # admitted before the loss
+                assert link._channel is not None
+                if how == "closed":
+                    link._channel.close()  # as `Channel.data_received` does on a bad frame
+                else:  # an answer to the run that does not fit it: a row longer than a slot
+                    bad = {"t": "done", "id": ticket.ids[0], "dim": 1 << 20}
+                    times = {"queue_s": 0.0, "compute_s": 0.0}
+                    link._channel.data_received(msgpack.packb({**bad, **times}))
+                with pytest.raises(NotReady):
+                    await run
+                free = link.arena.free
+                with pytest.raises(NotReady):
+                    await tower.run(later, [random_pixels(2)], normalize=True, request_id="r2")
+                assert link.arena.free == free  # refused before taking a slot,
+                assert not link.arena.view(1, np.uint8, (224, 224, 3)).any()  # or writing one
+                assert link.arena.take(1) != [0]  # the run's slot stays out of use
+            stop.set()
+            await serving
+        finally:
+            if link is not None:
+                await link.close()
+            runtime.close()
+
+    asyncio.run(main())
+
+
+def test_a_front_end_takes_the_largest_found_frame_its_limits_allow() -> None:
+    """A `found` frame holds a whole request's cached rows: at --max-items-per-request 8192 and
+    1024 floats a row, 34 MB. Past its channel's buffer the front end would close the channel
+    (msgpack's BufferFull) and fail every request it had under way, on every such request."""
+    items, dim = 8192, 1024
+    rows = np.ones((items, dim), "<f4").tobytes()
+    frame = {"t": "found", "id": 1, "hits": list(range(items)), "dim": dim, "rows": rows}
+
+    async def main() -> None:
+        got: list[dict[str, Any]] = []
+        lost = asyncio.Event()
+        ours, theirs = socket.socketpair()
+        limit = wire.found_limit(items, dim)
+        _, channel = await asyncio.get_running_loop().create_connection(
+            lambda: wire.FrontChannel(got.append, lost.set, limit), sock=ours
+        )
+        data = msgpack.packb(frame) + msgpack.packb({"t": "ok", "id": 2})
+        sent = asyncio.create_task(asyncio.to_thread(theirs.sendall, data))
+        try:
+            async with asyncio.timeout(30):
+                while len(got) < 2 and not lost.is_set():  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+            assert not lost.is_set(), "the channel closed"
+            assert got[0]["rows"] == rows and got[1] == {"t": "ok", "id": 2}
+            assert channel.open
+        finally:
+            channel.close()
+            theirs.close()
+            with contextlib.suppress(OSError):  # the sender, where the channel closed first
+                await sent
 
     asyncio.run(main())

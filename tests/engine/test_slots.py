@@ -92,6 +92,17 @@ def test_closing_an_arena_keeps_the_memory_its_views_still_read(path: object) ->
     assert not path.exists()  # type: ignore[attr-defined]
 
 
+def test_a_file_that_could_not_be_mapped_is_removed_so_the_next_try_can_make_it(
+    path: object,
+) -> None:
+    """The front end makes its file with O_EXCL and retries under the same name after a
+    failure: a file left behind would make every retry fail, and it would never reconnect."""
+    with pytest.raises(OSError):  # 2^57 bytes: more than any x86-64 address space maps
+        SlotArena(path, 1 << 27, 1 << 30, create=True)  # type: ignore[arg-type]
+    assert not path.exists()  # type: ignore[attr-defined]
+    SlotArena(path, 4, 4096, create=True).close(unlink=True)  # type: ignore[arg-type]
+
+
 def test_running_out_of_slots_or_shared_memory_is_overloaded_not_a_crash(path: object) -> None:
     arena = SlotArena(path, 4, 1024, create=True)  # type: ignore[arg-type]
     arena.take(4)
