@@ -286,8 +286,9 @@ class EngineLink:
         pending, self._pending = self._pending, {}
         for entry in pending.values():
             # Its slots are not given back: an engine that lives on (the channel closed on a
-            # bad frame) may read them until it sees the loss, as when another front end's
-            # request joined an item through the cache. The next connection has a new file.
+            # bad frame) may still read them, until the batches that took their items have
+            # copied them (an item another front end's request joined through the cache goes
+            # on after this one is gone). The next connection has a new file.
             if not entry.future.done():
                 entry.future.set_exception(NotReady(ENGINE_GONE))
 
@@ -322,7 +323,7 @@ class EngineLink:
             found: list[np.ndarray | None] = [None] * entry.size
             hits = msg["hits"]
             rows = np.frombuffer(msg["rows"], "<f4").reshape(len(hits), msg["dim"])
-            for i, index in enumerate(hits):  # (a strict zip over rows raises to end)
+            for i, index in enumerate(hits):  # indexed: iterating an array ends by raising
                 found[index] = rows[i]
             entry.future.set_result(found)
         elif msg["t"] == "error" and not entry.future.done():
@@ -339,13 +340,18 @@ class EngineLink:
         return self._ids
 
     def refusal(self) -> str | None:
-        """Why nothing can be sent now (not connected, or silent too long), or None."""
-        return ENGINE_GONE if not self.connected else self.silence()
+        """Why nothing can be sent now (not connected, or silent too long), or None. A
+        channel already closing counts as lost: its frames would go nowhere."""
+        channel = self._channel
+        if not self.connected or channel is None or not channel.open:
+            return ENGINE_GONE
+        return self.silence()
 
     def expect(
         self, rid: int, slots: list[int] | None = None, size: int = 0
     ) -> asyncio.Future[Answer]:
-        """Register for the one answer to `rid`; the slots are given back when it comes."""
+        """Register for the one answer to `rid`; the slots are given back when it comes (a
+        connection lost first keeps them out of use: see `_lost`)."""
         why = self.refusal()
         if why is not None:  # a silent engine would answer by the deadline at best: 503 now
             if slots:

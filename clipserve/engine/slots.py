@@ -136,6 +136,11 @@ def process_exists(pid: int) -> bool:
     return True
 
 
+# Up to this many rows are read or written one by one: indexing by a list of slots costs
+# ~1 µs more than one row.
+ROWS_ONE_BY_ONE = 4
+
+
 class SlotArena:
     """`count` slots of `slot_bytes` each. Sparse: tmpfs backs only the pages written, and free
     slots are reused lowest first, so memory follows the peak in flight, not `count`."""
@@ -195,8 +200,8 @@ class SlotArena:
         """The slot's bytes as an array, no copy. It holds the mapping (`close`)."""
         dt = np.dtype(dtype)
         # math.prod: np.prod costs a few µs a call, and a request makes four of these.
-        size = math.prod(shape)
-        if size * dt.itemsize > self.slot_bytes or not 0 <= slot < self.count:
+        size = math.prod(shape)  # negative with a negative dimension: refused too
+        if not 0 <= size * dt.itemsize <= self.slot_bytes or not 0 <= slot < self.count:
             raise ValueError(f"slot {slot}: {shape} {dt} does not fit")
         # frombuffer, not ndarray(buffer=...): only frombuffer's array holds the mmap's buffer
         # while it lives, so that `close` cannot unmap the memory under it.
@@ -228,7 +233,7 @@ class SlotArena:
             raise ValueError(f"{len(rows)} rows for {len(slots)} slots")
         self._check(slots)
         table = self._table(rows.shape[1])
-        if len(slots) > 4:  # indexing by a list costs ~1 µs more than one row
+        if len(slots) > ROWS_ONE_BY_ONE:
             table[slots] = rows
             return
         for i, slot in enumerate(slots):
@@ -238,7 +243,7 @@ class SlotArena:
         """The float32 rows in `slots`, `dim` each, as a new array (the slots go back next)."""
         self._check(slots)
         table = self._table(dim)
-        if len(slots) > 4:
+        if len(slots) > ROWS_ONE_BY_ONE:
             return table[slots]  # a copy: indexing by a list
         rows = np.empty((len(slots), dim), "<f4")
         for i, slot in enumerate(slots):

@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from clipserve.engine import wire
+from clipserve.engine import remote, wire
 from clipserve.engine.remote import EngineLink, RemoteTower
 from clipserve.engine.service import EngineService, model_card
 from clipserve.engine.slots import SlotArena
@@ -242,13 +242,19 @@ def test_a_run_the_cache_answers_whole_is_done_at_once_and_an_items_error_names_
 
 @pytest.mark.parametrize("how", ["closed", "bad frame"])
 def test_a_lost_connections_slots_are_never_handed_out_again(
-    tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path, how: str
+    tiny_config: Path,
+    tiny_checkpoint: Path,
+    tmp_path: Path,
+    how: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The front end's channel can close while the engine lives on (a bad frame either way).
     Until the engine sees it, it may still read the slots of runs under way (and copy an item
     another front end's request joined through the cache): the front end must not write a
     new request's item into them. Its runs fail NotReady at once, the one a bad answer was
     for too; later requests are refused before they take a slot."""
+
+    monkeypatch.setattr(remote, "RECONNECT_S", 60.0)  # no new file while the test looks
 
     async def main() -> None:
         config = make_config(

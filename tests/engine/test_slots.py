@@ -35,6 +35,8 @@ def test_items_and_embeddings_cross_between_two_mappings(path: object) -> None:
     assert front.take(1) == [1]
     with pytest.raises(ValueError):
         engine.view(0, np.float32, (3, 225, 225))  # bigger than a slot
+    with pytest.raises(ValueError):
+        engine.view(0, np.uint8, (2, -1))  # a negative size: never "the rest of the file"
     engine.close()
     front.close(unlink=True)
     assert not path.exists()  # type: ignore[attr-defined]
