@@ -207,15 +207,16 @@ async def _send(
 ) -> None:
     """A warm-up, then `per_client` requests from each of `connections` clients with the
     engine's instrumentation on (nothing in flight as it turns on or off)."""
-    # Under callgrind everything is ~50 times slower, and the engine pushes no status: the
-    # link must not count it as silent while instrumentation turns on.
+    # Under callgrind everything is ~50 times slower (hence the long deadlines), and the
+    # engine pushes no status: the link must not count it as silent while instrumentation
+    # turns on.
     quiet = ("--heartbeat-timeout-s", "3600")
     link, request = await _link(model, card, socket_path, 600, *quiet)
 
     async def clients(n: int) -> None:
         async def client() -> None:
             for _ in range(n):
-                await request(600.0)  # under callgrind everything is ~50 times slower
+                await request(600.0)
 
         await asyncio.gather(*(client() for _ in range(connections)))
 
