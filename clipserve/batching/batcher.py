@@ -200,7 +200,10 @@ class Batcher:
         fresh: bool = False,
     ) -> Completed:
         """Queue the arrays and wait for their embeddings (`submit`, then its `Run`'s answer).
-        Cancelling drops unstarted items nobody else waits for."""
+        Cancelling drops unstarted items nobody else waits for, and returns at once: an item
+        of ours that others joined computes on from our arrays, which its references keep
+        alive. So the arrays must not be memory the caller reuses (the engine's slots use
+        `submit`, and wait for what `Run.leave` says still reads them)."""
         run = self.submit(
             ticket,
             arrays,
@@ -214,9 +217,7 @@ class Batcher:
             if run.gathering.pending:
                 await run.gathering.future
         except BaseException as exc:
-            reading = run.leave()
-            if reading:  # our arrays (slots, in the engine) must outlive every read of them
-                await asyncio.wait(reading)
+            run.leave()  # no wait for a batch that still reads our arrays: past a deadline
             located = run.located(exc)
             if located is exc:
                 raise
@@ -301,9 +302,9 @@ class Batcher:
     def _leave(self, flights: Sequence[Flight], ours: Sequence[WorkItem]) -> list[Future[Any]]:
         """A request stops waiting (it failed, timed out or went away). An item nobody waits
         for any more is dropped, started or not. One that others still wait for goes on; if
-        its array is this request's (`ours`), which its caller may reuse once `run` returns
-        (the engine's slots), it gets a copy, or, already computing, is returned: the caller
-        waits until it is done."""
+        its array is this request's (`ours`), which a caller of `submit` may reuse once it
+        has left (the engine's slots), it gets a copy, or, already computing, is returned: that
+        caller waits until it is done."""
         unstarted: list[WorkItem] = []
         reading: list[Future[Any]] = []
         if not flights:  # no keys: the items share their request's future and one ticket

@@ -273,6 +273,7 @@ class BatchQueue:
         for lane in lanes.values():
             for item in list(lane):
                 item.lane = None
+                item.ticket.release(1)  # a cached item's own ticket: its requests do not
                 resolve(item, error)
 
     def _tidy(self, lane: Lane[WorkItem]) -> None:

@@ -448,8 +448,12 @@ class RemoteTower:
         if why is not None:  # before any slot is taken: the file may be a lost connection's
             raise NotReady(why)
         slots = self.link.arena.take(len(arrays))  # Overloaded when none are left
-        for slot, array in zip(slots, arrays, strict=True):
-            self.link.arena.write(slot, array)
+        try:
+            for slot, array in zip(slots, arrays, strict=True):
+                self.link.arena.write(slot, array)
+        except BaseException:  # an array that does not fit its slot: nothing was sent
+            self.link.arena.give_back(slots)
+            raise
         rid = ticket.ids[0]
         future = self.link.expect(rid, slots)
         ticket.settled = True  # the engine releases the admission as the items start

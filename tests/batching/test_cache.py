@@ -14,7 +14,7 @@ from clipserve.backends.fake import FakeExecutor
 from clipserve.batching import Batcher
 from clipserve.batching.cache import ENTRY_OVERHEAD, EmbeddingCache, EmbeddingLRU
 from clipserve.config import BatchingConfig
-from clipserve.errors import ExecutorFailed
+from clipserve.errors import ExecutorFailed, NotReady
 from clipserve.metrics import Metrics
 from tests.helpers import SPEC_32, marked_array, until_async
 
@@ -142,6 +142,25 @@ def test_a_cancelled_waiter_does_not_cancel_the_computation_others_wait_for() ->
     run(test, latency_ms=150)
 
 
+def test_a_request_leaving_its_computing_item_to_others_returns_at_once() -> None:
+    # Its deadline or its client ends the wait: not the batch's end (a 504 up to a batch late).
+    async def test(batcher: Batcher, fake: FakeExecutor, metrics: Metrics) -> None:
+        leader = asyncio.create_task(keyed(batcher, [4], [b"k4"]))
+        await until_async(lambda: batcher.workers[0].in_flight == 1)
+        follower = asyncio.create_task(keyed(batcher, [4], [b"k4"]))
+        await until_async(lambda: count(metrics, "clipserve_cache_merged_total") == 1)
+        leader.cancel()
+        await asyncio.gather(leader, return_exceptions=True)
+        assert leader.cancelled()
+        assert batcher.workers[0].in_flight == 1 and not follower.done()  # still computing
+        row = await follower
+        assert fake.items_run == 1 and batcher.admission.used == 0
+        alone = await keyed(batcher, [4], [b"another key"])  # computed from the same pixels
+        assert (row[0] == alone[0]).all() and (batcher.cached([b"k4"])[0] == row[0]).all()
+
+    run(test, latency_ms=300)
+
+
 def test_an_item_nobody_waits_for_leaves_the_queue_unstarted() -> None:
     async def test(batcher: Batcher, fake: FakeExecutor, metrics: Metrics) -> None:
         busy = asyncio.create_task(keyed(batcher, [9], [b"busy"]))
@@ -156,6 +175,20 @@ def test_an_item_nobody_waits_for_leaves_the_queue_unstarted() -> None:
         assert fake.items_run == 1
 
     run(test, latency_ms=150)
+
+
+def test_a_dead_tower_gives_back_the_places_of_the_cached_items_it_fails() -> None:
+    async def test(batcher: Batcher, fake: FakeExecutor, metrics: Metrics) -> None:
+        doomed = asyncio.create_task(keyed(batcher, [9], [b"k9"]))
+        await until_async(lambda: fake.attempts)  # on the device that it will lose
+        waiting = asyncio.create_task(keyed(batcher, [1], [b"k1"]))  # a place of its own
+        await until_async(lambda: len(batcher.queue) == 1)
+        for request in (doomed, waiting):
+            with pytest.raises(NotReady):
+                await request
+        assert not batcher.alive and batcher.admission.used == 0
+
+    run(test, fatal_pixel=9, latency_ms=50)
 
 
 def test_fresh_reads_nothing_cached_but_keeps_what_it_computes() -> None:

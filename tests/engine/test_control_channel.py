@@ -240,6 +240,34 @@ def test_a_run_the_cache_answers_whole_is_done_at_once_and_an_items_error_names_
     asyncio.run(main())
 
 
+@asynccontextmanager
+async def linked(
+    tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
+) -> AsyncIterator[tuple[EngineLink, RemoteTower]]:
+    """A served engine (fake backend, 300 ms a batch) and a real front end's link to it."""
+    config = make_config(
+        tiny_config, tiny_checkpoint, backend="fake", backend_option=["latency_ms=300"]
+    )
+    runtime = build_runtime(config)
+    sock = tmp_path / "engine.sock"
+    link: EngineLink | None = None
+    try:
+        service = EngineService(runtime, Metrics())
+        stop, ready = asyncio.Event(), asyncio.Event()
+        serving = asyncio.create_task(service.serve(sock, ready.set, stop))
+        await ready.wait()
+        link = EngineLink(str(sock), config, model_card(runtime))
+        await link.start(10)
+        async with asyncio.timeout(10):
+            yield link, RemoteTower(link, "image")
+        stop.set()
+        await serving
+    finally:
+        if link is not None:
+            await link.close()
+        runtime.close()
+
+
 @pytest.mark.parametrize("how", ["closed", "bad frame"])
 def test_a_lost_connections_slots_are_never_handed_out_again(
     tiny_config: Path,
@@ -257,49 +285,53 @@ def test_a_lost_connections_slots_are_never_handed_out_again(
     monkeypatch.setattr(remote, "RECONNECT_S", 60.0)  # no new file while the test looks
 
     async def main() -> None:
-        config = make_config(
-            tiny_config, tiny_checkpoint, backend="fake", backend_option=["latency_ms=300"]
-        )
-        runtime = build_runtime(config)
-        sock = tmp_path / "engine.sock"
-        link: EngineLink | None = None
-        try:
-            service = EngineService(runtime, Metrics())
-            stop, ready = asyncio.Event(), asyncio.Event()
-            serving = asyncio.create_task(service.serve(sock, ready.set, stop))
-            await ready.wait()
-            link = EngineLink(str(sock), config, model_card(runtime))
-            await link.start(10)
-            tower = RemoteTower(link, "image")
-            async with asyncio.timeout(10):
-                deadline = time.perf_counter() + 10
-                ticket = await tower.reserve(1, deadline)
-                run = asyncio.create_task(
-                    tower.run(ticket, [random_pixels(1)], normalize=True, request_id="r1")
+        async with linked(tiny_config, tiny_checkpoint, tmp_path) as (link, tower):
+            deadline = time.perf_counter() + 10
+            ticket = await tower.reserve(1, deadline)
+            run = asyncio.create_task(
+                tower.run(ticket, [random_pixels(1)], normalize=True, request_id="r1")
+            )
+            await asyncio.sleep(0.05)  # its item in slot 0 (lowest first), computing
+            later = await tower.reserve(1, deadline)  # admitted before the loss
+            assert link._channel is not None
+            if how == "closed":
+                link._channel.close()  # as `Channel.data_received` does on a bad frame
+            else:  # an answer to the run that does not fit it: a row longer than a slot
+                bad = {"t": "done", "id": ticket.ids[0], "dim": 1 << 20}
+                times = {"queue_s": 0.0, "compute_s": 0.0}
+                link._channel.data_received(msgpack.packb({**bad, **times}))
+            with pytest.raises(NotReady):
+                await run
+            free = link.arena.free
+            with pytest.raises(NotReady):
+                await tower.run(later, [random_pixels(2)], normalize=True, request_id="r2")
+            assert link.arena.free == free  # refused before taking a slot,
+            assert not link.arena.view(1, np.uint8, (224, 224, 3)).any()  # or writing one
+            assert link.arena.take(1) != [0]  # the run's slot stays out of use
+
+    asyncio.run(main())
+
+
+def test_a_run_whose_item_does_not_fit_a_slot_gives_its_slots_back(
+    tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Every input is size-checked before it reaches the link; should one not fit its slot
+    after all, the slots taken for the run go back and the next run is served."""
+
+    async def main() -> None:
+        async with linked(tiny_config, tiny_checkpoint, tmp_path) as (link, tower):
+            free = link.arena.free
+            ticket = await tower.reserve(2, time.perf_counter() + 10)
+            too_large = np.zeros(link.arena.slot_bytes + 1, np.uint8)
+            with pytest.raises(ValueError, match="does not fit"):
+                await tower.run(
+                    ticket, [random_pixels(1), too_large], normalize=True, request_id="r1"
                 )
-                await asyncio.sleep(0.05)  # its item in slot 0 (lowest first), computing
-                later = await tower.reserve(1, deadline)  # admitted before the loss
-                assert link._channel is not None
-                if how == "closed":
-                    link._channel.close()  # as `Channel.data_received` does on a bad frame
-                else:  # an answer to the run that does not fit it: a row longer than a slot
-                    bad = {"t": "done", "id": ticket.ids[0], "dim": 1 << 20}
-                    times = {"queue_s": 0.0, "compute_s": 0.0}
-                    link._channel.data_received(msgpack.packb({**bad, **times}))
-                with pytest.raises(NotReady):
-                    await run
-                free = link.arena.free
-                with pytest.raises(NotReady):
-                    await tower.run(later, [random_pixels(2)], normalize=True, request_id="r2")
-                assert link.arena.free == free  # refused before taking a slot,
-                assert not link.arena.view(1, np.uint8, (224, 224, 3)).any()  # or writing one
-                assert link.arena.take(1) != [0]  # the run's slot stays out of use
-            stop.set()
-            await serving
-        finally:
-            if link is not None:
-                await link.close()
-            runtime.close()
+            assert link.arena.free == free
+            ticket.release_all()
+            ticket = await tower.reserve(1, time.perf_counter() + 10)
+            done = await tower.run(ticket, [random_pixels(2)], normalize=True, request_id="r2")
+            assert done.embeddings.shape[0] == 1 and link.arena.free == free
 
     asyncio.run(main())
 
