@@ -7,7 +7,6 @@ Every inference route goes through here, from Starlette's router or from the fas
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from starlette.datastructures import Headers, QueryParams
@@ -86,7 +85,7 @@ class AsgiExchange:
 
     deadline_name = "X-Request-Timeout-Ms"
 
-    def __init__(self, scope: Scope, receive: Receive, headers: Mapping[str, str]) -> None:
+    def __init__(self, scope: Scope, receive: Receive, headers: Headers) -> None:
         self.receive = receive
         self.headers = headers
         self.state: dict[str, Any] = scope["state"]
@@ -98,7 +97,9 @@ class AsgiExchange:
 
     @property
     def fresh(self) -> bool:
-        return not reads_cache(self.headers)
+        if self.headers.get("cache-control") is None:  # one lookup: most requests send none
+            return False
+        return not reads_cache(self.headers.getlist("cache-control"))
 
     def timeout_s(self, server_s: float) -> float:
         return request_timeout(self.headers, server_s)

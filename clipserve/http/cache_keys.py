@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,10 +30,12 @@ KEY_BYTES = 16
 _ITEM = re.compile(r"item (\d+): ")  # with_item_index's prefix
 
 
-def reads_cache(headers: Mapping[str, str]) -> bool:
-    """False when the request says `Cache-Control: no-cache`: compute every item anew."""
-    value = headers.get("cache-control", "")
-    return "no-cache" not in (part.strip().lower() for part in value.split(","))
+def reads_cache(values: Iterable[str]) -> bool:
+    """False when the request says `Cache-Control: no-cache`: compute every item anew.
+    `values`: each Cache-Control line (or gRPC metadata entry); lines make one list."""
+    return not any(
+        part.strip().lower() == "no-cache" for value in values for part in value.split(",")
+    )
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,15 @@ and errors are the HTTP codec's (`kserve.read_input`), word for word.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Mapping, Sequence, Sized
 from typing import TYPE_CHECKING
 
 import numpy as np
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
-from clipserve.errors import InvalidBody, InvalidTensor, Unsupported
+from clipserve.errors import InvalidBody, InvalidTensor, TooManyItems, Unsupported
 from clipserve.protocol.kserve import (
     DTYPES,
     VERSION,
@@ -51,8 +52,32 @@ def parameters(params: Mapping[str, pb.InferParameter]) -> dict[str, object]:
     return values
 
 
-def _typed(datatype: str, contents: pb.InferTensorContents, what: str) -> bytes:
-    """Typed `contents` as the bytes raw contents would hold."""
+def _typed(
+    datatype: str, contents: pb.InferTensorContents, what: str, shape: list[int], cap: int
+) -> bytes:
+    """Typed `contents` as the bytes raw contents would hold. Counted before anything is
+    built from them: a 32 MiB message holds 16M empty `bytes_contents`, each a Python object
+    (~3 GB) before the shape could refuse them. `cap`: the most elements a request may hold."""
+    fields: dict[str, Sized] = {
+        "BYTES": contents.bytes_contents,
+        "UINT8": contents.uint_contents,
+        "FP32": contents.fp32_contents,
+    }
+    field = fields.get(datatype)
+    if field is None:
+        raise InvalidTensor(f"{what}: {datatype} data must come as raw_input_contents")
+    n, need = len(field), math.prod(max(d, 0) for d in shape)  # len() builds nothing
+    if n > need:
+        raise InvalidTensor(f"{what}: contents hold {n} elements; shape {shape} needs {need}")
+    if n > cap:  # as many as its shape says, more than a request may hold
+        if datatype == "BYTES":
+            raise TooManyItems(
+                f"{what}: {n} items in one request; the limit is {cap} (--max-items-per-request)"
+            )
+        raise InvalidTensor(
+            f"{what}: contents hold {n} values, more than --max-items-per-request inputs of "
+            "the model's size"
+        )
     if datatype == "BYTES":
         return serialize_bytes(list(contents.bytes_contents))
     if datatype == "UINT8":
@@ -60,9 +85,7 @@ def _typed(datatype: str, contents: pb.InferTensorContents, what: str) -> bytes:
         if values.size and values.max() > 255:
             raise InvalidTensor(f"{what}: uint_contents of a UINT8 input must be within 0..255")
         return values.astype(np.uint8).tobytes()
-    if datatype == "FP32":
-        return np.asarray(contents.fp32_contents, dtype="<f4").tobytes()
-    raise InvalidTensor(f"{what}: {datatype} data must come as raw_input_contents")
+    return np.asarray(contents.fp32_contents, dtype="<f4").tobytes()
 
 
 def _outputs(message: pb.ModelInferRequest, output: str) -> list[RequestedOutput]:
@@ -128,10 +151,14 @@ def parse_model_infer(
     elif raw_count:
         if raw_count != 1:
             raise InvalidBody(f"raw_input_contents holds {raw_count} tensors; the input is one")
+        if spec.HasField("contents"):  # which data would it be? (as with shared memory)
+            raise InvalidBody(f"{what} carries its data twice: raw_input_contents and contents")
         raw = message.raw_input_contents[0]
         suffix = ""
     elif spec.HasField("contents"):
-        raw = _typed(spec.datatype, spec.contents, what)
+        shape = [int(d) for d in spec.shape]
+        per_item = 1 if spec.datatype == "BYTES" else 3 * size[0] * size[1]
+        raw = _typed(spec.datatype, spec.contents, what, shape, max_items * per_item)
         suffix = "-typed"
     else:
         raise InvalidBody(f"{what} has no data: neither raw_input_contents nor contents")

@@ -108,8 +108,9 @@ def _image_of(item: str, index: int, fetch_urls: bool) -> bytes | str | None:
         if fetch_urls:
             return item
         raise with_item_index(url_refused(), index)
-    if item[:5].lower() == "data:":
-        head, sep, data = item.partition(",")
+    head, sep, data = item.partition(",")
+    # A URI's head has no blank ("data: none", "Data: sales by region, 2023" are captions).
+    if head[:5].lower() == "data:" and len(head.split(maxsplit=1)) == 1:
         if not sep:
             raise InvalidImage(f"item {index}: data URI without a ',' before its data")
         params = head[5:].split(";")

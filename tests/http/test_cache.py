@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from clipserve.http.cache_keys import reads_cache
 from clipserve.loadgen.procs import free_port
 from tests.engine.test_workers_served import Server, request
 from tests.helpers import PNG, RunningServer, Serve, marked_png, metric, post, until_async
@@ -67,6 +68,25 @@ def test_no_cache_computes_again_and_stores(serve: Serve) -> None:
     assert post(server, image).content == fresh.content
     assert computed(server) == 2
     assert counter(server, "clipserve_cache_hits_total") == 1
+    # Header lines of one name make one list (RFC 9110 5.3): the second line's no-cache counts.
+    lines = [("content-type", "image/png"), ("cache-control", "max-age=0")]
+    lines.append(("cache-control", "no-cache"))
+    again = httpx.post(f"{server.url}/embed", content=image, headers=lines, timeout=30)
+    assert again.status_code == 200 and computed(server) == 3
+
+
+@pytest.mark.parametrize(
+    ("lines", "reads"),
+    [
+        ([], True),
+        (["max-age=0"], True),
+        (["max-age=0, No-Cache"], False),
+        (["max-age=0", " no-cache "], False),
+        (["no-cache-ish"], True),
+    ],
+)
+def test_cache_control_lines_are_read_as_one_list(lines: list[str], reads: bool) -> None:
+    assert reads_cache(lines) is reads
 
 
 def test_a_failed_computation_is_not_cached(serve: Serve) -> None:

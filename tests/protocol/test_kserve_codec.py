@@ -360,6 +360,24 @@ def test_container_floods_are_refused_before_parsing() -> None:
         tracemalloc.stop()
 
 
+def test_string_floods_are_refused_before_parsing() -> None:
+    from clipserve.errors import TooManyItems
+
+    def texts(items: list[str]) -> bytes:
+        inputs = [{"name": "t", "datatype": "BYTES", "shape": [len(items)], "data": items}]
+        return orjson.dumps({"inputs": inputs})
+
+    def parse(body: bytes) -> kserve.InferRequest:
+        return kserve.parse_infer_request(
+            body, None, tower="text", size=(224, 224), max_items=8, max_text_chars=100
+        )
+
+    with pytest.raises(TooManyItems, match="strings"):
+        parse(texts(["a"] * 100_000))
+    quoted = ['he said "hi", then \\"bye\\"' * 3] * 8  # escaped quotes are not strings
+    assert parse(texts(quoted)).texts == quoted
+
+
 class Region:
     """A region's bytes, and each read the codec asks of it (its ref and its cap)."""
 

@@ -93,6 +93,34 @@ def test_typed_contents() -> None:
         parse(body.SerializeToString())
 
 
+def test_typed_contents_are_counted_before_anything_is_built_from_them() -> None:
+    # A 32 MiB message holds 16M empty bytes_contents: ~3 GB of objects once listed.
+    body = pb.ModelInferRequest(model_name="tiny")
+    inp = body.inputs.add(name="image", datatype="BYTES", shape=[1])
+    inp.contents.bytes_contents.extend([b""] * 1000)
+    with pytest.raises(errors.InvalidTensor, match=r"1000 elements; shape \[1\] needs 1"):
+        parse(body.SerializeToString())
+    inp.shape[:] = [1000]
+    with pytest.raises(errors.TooManyItems, match="limit is 8"):
+        parse(body.SerializeToString())
+    inp.shape[:] = [-1]
+    with pytest.raises(errors.InvalidTensor, match="needs 0"):
+        parse(body.SerializeToString())
+    body = pb.ModelInferRequest(model_name="tiny")
+    inp = body.inputs.add(name="x", datatype="FP32", shape=[9, 3, 224, 224])
+    inp.contents.fp32_contents.extend([0.0] * (9 * 3 * 224 * 224))
+    with pytest.raises(errors.InvalidTensor, match="more than --max-items-per-request"):
+        parse(body.SerializeToString())
+
+
+def test_data_given_both_raw_and_typed_is_refused() -> None:
+    inp = bytes_input(JPEGS)
+    body = pb.ModelInferRequest.FromString(message([inp]))
+    body.inputs[0].contents.bytes_contents.append(b"another")
+    with pytest.raises(errors.InvalidBody, match="twice"):
+        parse(body.SerializeToString())
+
+
 def test_errors_read_as_over_http() -> None:
     cases: list[tuple[bytes, type[errors.ClipserveError], str]] = [
         (b"\xff\xff\xff", errors.InvalidBody, "not a protobuf message"),

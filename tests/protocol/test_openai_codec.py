@@ -64,6 +64,9 @@ def test_modality_and_truncate_decide_for_the_whole_request() -> None:
 def test_text_that_merely_looks_like_base64_stays_text() -> None:
     # Valid base64, but not the start of a JPEG/PNG/WebP file: a caption, not an image.
     assert parse({"input": ["dogs", "QUJD"]}).texts == ["dogs", "QUJD"]
+    # "data:" then a blank before any ',': a caption, not a data URI.
+    captions = ["Data: sales, 2023", "data: none", "DATA:image of a cat"]
+    assert parse({"input": captions}).texts == captions
 
 
 def test_model_defaults_and_options() -> None:

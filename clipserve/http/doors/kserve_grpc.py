@@ -90,8 +90,10 @@ class GrpcExchange:
         self.timer = StageTimer()
         self.message = message
         self.items = 0
-        metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
-        self.fresh = not reads_cache(metadata)
+        metadata = context.invocation_metadata() or ()
+        self.fresh = not reads_cache(
+            v for k, v in metadata if k == "cache-control" and isinstance(v, str)
+        )
 
     def timeout_s(self, server_s: float) -> float:
         remaining = self.context.time_remaining()
