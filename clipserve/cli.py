@@ -82,7 +82,8 @@ def serve(config: ServerConfig) -> int:
 
     from clipserve.http.access import check_access
     from clipserve.http.app import create_app
-    from clipserve.http.server import bind_port, build_uvicorn_config, check_tls, draining_server
+    from clipserve.http.listeners import bind_port, check_tls
+    from clipserve.http.server import build_uvicorn_config, draining_server
     from clipserve.inference.runtime import build_runtime
 
     # A bad key file, certificate or taken gRPC port fails in a second, not after the model

@@ -23,7 +23,6 @@ MAIN_ROLE = "main"  # the process clipserve started as: the server, or --workers
 # interval, the next one saying how many were left out. (logger, message template)
 CLIENT_NOISE = {
     ("uvicorn.error", "Invalid HTTP request received."),
-    ("uvicorn.error", "Unsupported upgrade request."),
     ("uvicorn.error", "Exceeded concurrency limit."),
 }
 # A malformed multipart body is refused with a 400; the parser's own warnings (python-multipart
@@ -98,8 +97,6 @@ class ClientNoise(logging.Filter):
             return record.name, ""
         key = (record.name, str(record.msg))
         if key in CLIENT_NOISE:
-            return key
-        if record.name == "uvicorn.error" and str(record.msg).startswith("No supported WebSocket"):
             return key
         return None
 

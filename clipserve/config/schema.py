@@ -178,7 +178,9 @@ class HttpConfig:
     )
     max_header_bytes: int = _opt(65536, "most bytes of request line and headers; more get 431")
     header_timeout_s: float = _opt(
-        10.0, "a request's headers must arrive within this; idle or slower connections are closed"
+        10.0,
+        "a request's headers must arrive within this, and a client must take some of its "
+        "answer within this; idle, slower or stalled connections are closed",
     )
     keep_alive_timeout_s: float = _opt(5.0, "an idle kept-alive connection is closed after this")
     linger_timeout_s: float = _opt(

@@ -14,7 +14,8 @@ from clipserve.engine.messages import ModelCard
 from clipserve.http.app import create_app
 from clipserve.http.connections import ensure_fd_limit
 from clipserve.http.heap import keep_body_pages
-from clipserve.http.server import beside, build_uvicorn_config, draining_server
+from clipserve.http.listeners import beside
+from clipserve.http.server import build_uvicorn_config, draining_server
 
 log = logging.getLogger("clipserve.supervisor")
 FRONTEND_START_TIMEOUT_S = 60.0

@@ -60,7 +60,7 @@ from clipserve.engine.slots import (
 from clipserve.errors import StartupError
 from clipserve.http.access import check_access
 from clipserve.http.buckets import BucketTable
-from clipserve.http.server import bind_port, check_tls
+from clipserve.http.listeners import bind_port, check_tls
 
 log = logging.getLogger("clipserve.supervisor")
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"

@@ -132,7 +132,17 @@ class Cycle(RequestResponseCycle):
         self.body, self.rest, self.size = b"", None, 0
         return body if rest is None else b"".join([body, *rest])
 
+    def linger(self, protocol: Lingering) -> None:
+        """Once answered, a lingering close, not a kept-alive connection."""
+        self.keep_alive = False
+        self.transport = _LingeringClose(self.transport, protocol)
+        self.on_response = protocol.count_response
+
     async def send(self, message: ASGISendEvent) -> None:
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()  # uvicorn's own wait, before the check below
+        if self.transport.is_closing():  # its client is gone: uvicorn marks only the last
+            self.disconnected = True  # parsed cycle so, not one answering pipelined requests
         held = self.held
         if held is None:
             if message["type"] == "http.response.start":
@@ -174,7 +184,5 @@ class EarlyAnswerCycle(Cycle):
         if self.more_body and not self.response_started and not self.disconnected:
             protocol = self.transport.get_protocol()
             if isinstance(protocol, Lingering):
-                self.keep_alive = False
-                self.transport = _LingeringClose(self.transport, protocol)
-                self.on_response = protocol.count_response
+                self.linger(protocol)
         await super().send(message)

@@ -34,8 +34,8 @@ from clipserve.errors import ClipserveError, InvalidBody, StartupError, Unauthor
 from clipserve.http.access import Access, charging
 from clipserve.http.grpc_status import grpc_error
 from clipserve.http.keys import Grant
+from clipserve.http.listeners import check_tls
 from clipserve.http.observer import new_request_id, valid_request_id
-from clipserve.http.server import check_tls
 from clipserve.http.status import CLIENT_CLOSED, status_for
 from clipserve.logs import ACCESS_LOGGER
 from clipserve.metrics import Metrics

@@ -173,14 +173,21 @@ class SharedMemoryRegions:
             )
         return data
 
-    def write(self, ref: RegionRef, data: bytes) -> None:
-        """An output's bytes into its region (at most the byte_size the request gave)."""
+    def fits(self, ref: RegionRef, size: int) -> Region:
+        """An output's region, once it is registered and `size` bytes fit where the request
+        puts them: checked as the request is parsed, and again as the output is written (the
+        region may be unregistered meanwhile)."""
         region = self._region(ref, "output")
-        if len(data) > ref.byte_size:
+        if size > ref.byte_size:
             raise InvalidTensor(
                 f"output region {ref.name!r}: {ref.byte_size} bytes cannot hold the "
-                f"{len(data)}-byte output"
+                f"{size}-byte output"
             )
+        return region
+
+    def write(self, ref: RegionRef, data: bytes) -> None:
+        """An output's bytes into its region (at most the byte_size the request gave)."""
+        region = self.fits(ref, len(data))
         fd = self._open(region.key)
         try:
             if os.fstat(fd).st_size < region.offset + ref.offset + len(data):

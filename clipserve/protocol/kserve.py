@@ -114,7 +114,7 @@ def _outputs(doc: dict[str, Any], output: str) -> list[RequestedOutput]:
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidBody('"parameters" must be an object')
-    all_binary = params.get("binary_data_output") is True
+    all_binary = _flag(params, "binary_data_output", False, "the request")
     requested = doc.get("outputs")
     if not requested:  # none named: the FP32 embedding (see model metadata for the FP16 one)
         return [RequestedOutput(output, types[output], all_binary)]
@@ -134,10 +134,20 @@ def _outputs(doc: dict[str, Any], output: str) -> list[RequestedOutput]:
             raise InvalidBody(f'output {name!r}: "parameters" must be an object')
         if "classification" in out_params:
             raise Unsupported(f"output {name!r}: classification is not supported")
-        binary = out_params.get("binary_data", all_binary)
+        binary = _flag(out_params, "binary_data", all_binary, f"output {name!r}")
         region = region_ref(out_params, f"output {name!r}")
-        outputs.append(RequestedOutput(name, types[name], binary is True, region))
+        outputs.append(RequestedOutput(name, types[name], binary, region))
     return outputs
+
+
+def _flag(params: dict[str, Any], name: str, default: bool, what: str) -> bool:
+    """A boolean parameter: "yes" or 1 is refused (as Triton does), not read as false."""
+    value = params.get(name, default)
+    if not isinstance(value, bool):
+        raise InvalidTensor(
+            f'{what}: parameter "{name}" must be true or false, not {value!r}'[:200]
+        )
+    return value
 
 
 def _check_containers(header: bytes, max_items: int, size: tuple[int, int]) -> None:

@@ -28,9 +28,11 @@ class RegionRef:
 
 
 # How a codec reaches the regions: read a tensor's bytes (at most the int: the caller's
-# bound, checked before reading), write an output's.
+# bound, checked before reading), write an output's, check that an output's fits (the int:
+# its bytes) before any work is done for it.
 ReadRegion = Callable[[RegionRef, int], bytes]
 WriteRegion = Callable[[RegionRef, bytes], None]
+FitRegion = Callable[[RegionRef, int], object]
 
 
 def _count(params: Mapping[str, object], key: str, what: str, default: int | None) -> int:

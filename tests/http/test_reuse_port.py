@@ -15,7 +15,7 @@ import pytest
 from clipserve.config import ServerConfig
 from clipserve.config.loading import load_config
 from clipserve.errors import ConfigError, StartupError
-from clipserve.http.server import beside, bind_port
+from clipserve.http.listeners import beside, bind_port
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SO_REUSEPORT spreads on Linux")
 

@@ -37,6 +37,7 @@ from tests.helpers import (
     Serve,
     embed_image,
     free_port,
+    metric,
     model_name,
     png_bytes,
     random_pixels,
@@ -203,7 +204,14 @@ def test_refusals_are_client_errors_and_the_server_survives(
     inp.set_shared_memory("in", pixels.nbytes)
     out = th.InferRequestedOutput("embedding")
     out.set_shared_memory("small", 16)  # smaller than the embedding
+    computed = metric(server, "clipserve_items_total")
     refused(lambda: http.infer(name, [inp], outputs=[out]), "400", "cannot hold")
+    gout = tg.InferRequestedOutput("embedding")
+    gout.set_shared_memory("nowhere", 128)
+    gin = tg.InferInput("pixels", list(pixels.shape), "UINT8")
+    gin.set_shared_memory("in", pixels.nbytes)
+    refused(lambda: grpc.infer(name, [gin], outputs=[gout]), "INVALID_ARGUMENT", "not registered")
+    assert metric(server, "clipserve_items_total") == computed  # refused before any work
     # The client truncates its object after registering: a short read, a 400, no SIGBUS.
     os.truncate(f"/dev/shm/in_{os.getpid()}", 100)
     gin = tg.InferInput("pixels", list(pixels.shape), "UINT8")

@@ -14,7 +14,8 @@ import time
 from typing import Any
 
 from clipserve.config import HttpConfig
-from clipserve.http.server import FIRST_REQUEST_GRACE_S, build_uvicorn_config, draining_server
+from clipserve.http.guarded import FIRST_REQUEST_GRACE_S
+from clipserve.http.server import build_uvicorn_config, draining_server
 
 REQUEST = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
 

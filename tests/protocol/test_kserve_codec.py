@@ -216,6 +216,15 @@ def _doc(inp: dict[str, Any], **extra: Any) -> tuple[bytes, None]:
             InvalidTensor,
             "unexpected inference output 'logits'",
         ),
+        (
+            _doc(
+                {"name": "x", "shape": [1], "datatype": "BYTES", "data": ["aGk="]},
+                outputs=[{"name": "embedding", "parameters": {"binary_data": "yes"}}],
+            ),
+            {},
+            InvalidTensor,
+            "\"binary_data\" must be true or false, not 'yes'",
+        ),
         ((orjson.dumps({"inputs": []}), None), {}, InvalidBody, "exactly one input tensor; got 0"),
         ((b"{not json", None), {}, InvalidBody, "malformed JSON"),
         ((b"{}", "9999"), {}, InvalidBody, "not a length within the 2-byte body"),

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
@@ -30,6 +31,7 @@ from clipserve.http.work import Embedded, Encoded, ImageWork, TextWork, Work
 from clipserve.protocol import kserve as codec
 from clipserve.protocol import triton_model
 from clipserve.protocol.media import JSON
+from clipserve.protocol.shm import FitRegion
 
 
 def _json(doc: object) -> Response:
@@ -68,10 +70,21 @@ def _inline(header_length: str | None, content_length: str | None) -> bool:
 
 
 def work_of(
-    parsed: codec.InferRequest, tower: TowerKind, runtime: Serving, limits: LimitsConfig
+    parsed: codec.InferRequest,
+    tower: TowerKind,
+    runtime: Serving,
+    limits: LimitsConfig,
+    fits: FitRegion | None = None,
 ) -> Work[codec.InferRequest]:
     """A parsed inference request (HTTP or gRPC) as the pipeline's work: texts tokenised here,
-    in the pool, like the parsing before them."""
+    in the pool, like the parsing before them. An output bound for a shared-memory region
+    that is not registered or too small is refused now (`fits`), not once computed."""
+    if fits is not None:
+        rows = parsed.count
+        for output in parsed.outputs:
+            if output.region is not None:
+                itemsize = np.dtype(codec.DTYPES[output.datatype]).itemsize
+                fits(output.region, rows * runtime.model.embed_dim * itemsize)
     work = Work(parsed.protocol, parsed, held_bytes=parsed.shared_bytes)
     if tower == "text":
         tokens = runtime.tokenize(parsed.texts, truncate=limits.truncate_text)
@@ -127,7 +140,7 @@ class Infer:
             read_region=self.regions.read,
             max_shared_bytes=self.limits.max_body_bytes,
         )
-        return work_of(parsed, self.tower, self.runtime, self.limits)
+        return work_of(parsed, self.tower, self.runtime, self.limits, self.regions.fits)
 
     def encode(self, work: Work[codec.InferRequest], done: Embedded) -> Encoded:
         completed = done.texts if self.tower == "text" else done.images

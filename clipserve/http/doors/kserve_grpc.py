@@ -34,7 +34,7 @@ from clipserve.protocol import kserve as codec
 from clipserve.protocol import kserve_grpc as grpc_codec
 from clipserve.protocol import triton_model
 from clipserve.protocol.kserve import InferRequest
-from clipserve.protocol.shm import ReadRegion, WriteRegion
+from clipserve.protocol.shm import FitRegion, ReadRegion, WriteRegion
 
 
 def _varint(body: bytes, at: int) -> tuple[int, int]:
@@ -124,6 +124,7 @@ class GrpcInfer:
     output: str
     read_region: ReadRegion | None = None
     write_region: WriteRegion | None = None
+    fit_region: FitRegion | None = None
     inline: bool = False
 
     @property
@@ -143,7 +144,7 @@ class GrpcInfer:
             read_region=self.read_region,
             max_shared_bytes=self.limits.max_body_bytes,
         )
-        return work_of(parsed, self.tower, self.runtime, self.limits)
+        return work_of(parsed, self.tower, self.runtime, self.limits, self.fit_region)
 
     def encode(self, work: Work[InferRequest], done: Embedded) -> Encoded:
         completed = done.texts if self.tower == "text" else done.images
@@ -364,7 +365,9 @@ class InferenceServicer(Generic[TicketT]):
         pipeline = self.pipeline
         name, model = self._model(*peek_model(body))
         limits, output, regions = pipeline.config.limits, pipeline.names.output, pipeline.regions
-        call = GrpcInfer(pipeline.runtime, name, model, limits, output, regions.read, regions.write)
+        call = GrpcInfer(
+            pipeline.runtime, name, model, limits, output, regions.read, regions.write, regions.fits
+        )
         ctx, encoded = await pipeline.run(GrpcExchange(context, rid, body), call)
         timing = ("server-timing", ctx.timer.header())
         context.set_trailing_metadata((("x-request-id", rid), timing))
