@@ -166,6 +166,12 @@ class AsyncClient:
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise InvalidInput(i, f"<text #{i}>", f"expected a str, got {type(text).__name__}")
+            try:  # a lone surrogate cannot go on the wire: refused in local mode too, alike
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidInput(
+                    i, f"<text #{i}>", f"not valid Unicode text ({e.reason} at {e.start})"
+                ) from None
         await self.start()
         out = empty(len(texts), self._engine.dim)
         errors: dict[int, str] = {}

@@ -44,7 +44,8 @@ class Unauthorized(ClientError):
 
 class ServerError(ClientError):
     """Any other refusal: a 500, or an answer this client does not expect. `status` and
-    `code` are the server's."""
+    `code` are the server's; status 0 with code "unreadable_answer" where httpx could not read
+    the answer at all (a body that does not decode as its Content-Encoding says)."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(f"HTTP {status} {code}: {message}")

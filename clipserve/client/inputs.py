@@ -34,7 +34,9 @@ def source_of(item: ImageInput, index: int) -> str:
         return f"<bytes #{index}>"
     if isinstance(item, np.ndarray):
         return f"<array #{index}>"
-    return os.fspath(item)
+    if isinstance(item, str | os.PathLike):
+        return str(os.fspath(item))
+    return f"<{type(item).__name__} #{index}>"  # not an image input: named by its type
 
 
 def load(item: ImageInput) -> Payload:
@@ -47,6 +49,8 @@ def load(item: ImageInput) -> Payload:
         if item.dtype != np.uint8 or item.ndim != 3 or item.shape[2] != 3 or 0 in item.shape:
             raise Unusable(f"expected an HxWx3 uint8 array, got {item.dtype} {item.shape}")
         return item
+    if not isinstance(item, str | os.PathLike):  # None, a PIL image: refused like a bad file
+        raise Unusable(f"expected a path, bytes or an HxWx3 uint8 array, got {type(item).__name__}")
     try:
         data = Path(item).read_bytes()
     except OSError as e:

@@ -289,6 +289,8 @@ class RemoteEngine:
                 raise RequestTimedOut(f"{method} {self.url}{path}: no answer ({_why(e)})") from e
             except httpx.TransportError as e:  # refused, reset, closed without an answer
                 failure = ServerGone(f"{self.url}: {_why(e)}")
+            except httpx.RequestError as e:  # an answer httpx cannot read (a proxy's encoding)
+                raise ServerError(0, "unreadable_answer", f"{method} {path}: {_why(e)}") from e
             else:
                 if r.status_code < 300:
                     return r

@@ -1,12 +1,12 @@
 """What survives between runs, in `--cache DIR`: the manifest of files seen, and embeddings.
 
-`manifest.json` lists each photo's path, size, mtime, content hash and pixel size: a file
-whose size and mtime are unchanged is not read again. Embeddings are kept by content hash, per
-model identity (the server's `/info` "model", e.g. "ViT-B-32/laion2b_s34b_b79k"), under
-`embeddings/<model>/part-*.npz`: a part is written after every batch the server answers, so an
-interrupted run loses at most one batch, and a renamed or copied file is never embedded again.
-A model with random weights ("<name>/random") is a new model each time it loads: its
-embeddings are never kept.
+`manifest.json` lists each photo's path, size, mtime, ctime, inode, whether it is a symlink,
+content hash and pixel size: a file with all of these unchanged is not read again. Embeddings
+are kept by content hash, per model identity (the server's `/info` "model", e.g.
+"ViT-B-32/laion2b_s34b_b79k"), under `embeddings/<model>/part-*.npz`: a part is written after
+every batch the server answers, so an interrupted run loses at most one batch, and a renamed
+or copied file is never embedded again. A model with random weights ("<name>/random") is a new
+model each time it loads: its embeddings are never kept.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from clipserve.dedupe.scan import Photo
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: ctime, inode and symlink too (a version 1 manifest is read again)
 # Parts are merged into one file once there are more than this many (startup reads them all).
 MAX_PARTS = 64
 
@@ -57,6 +57,9 @@ def save_manifest(directory: Path, photos: Iterable[Photo]) -> None:
             "width": p.width,
             "height": p.height,
             "format": p.format,
+            "ctime_ns": p.ctime_ns,
+            "ino": p.ino,
+            "link": p.link,
         }
         for p in photos
     ]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from clipserve.dedupe.cache import EmbeddingStore, load_manifest, save_manifest
@@ -42,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("paths", nargs="+", metavar="PATH", help="folders or files to scan")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--url", default=DEFAULT_URL, help=f"a clipserve server [{DEFAULT_URL}]")
+    where.add_argument(
+        "--url", type=_url, default=DEFAULT_URL, help=f"a clipserve server [{DEFAULT_URL}]"
+    )
     where.add_argument(
         "--local", action="store_true", help="run the model in this process (no server)"
     )
@@ -71,10 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="exact: compare every pair; ann: a USearch index (the dedupe extra); auto: exact "
         f"below {ANN_FROM} photos, the index from there if installed [auto]",
     )
-    parser.add_argument("--batch-size", type=int, default=32, help="images per request [32]")
-    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight [4]")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per request [60]")
-    parser.add_argument("--retries", type=int, default=5, help="retries of a failed request [5]")
+    parser.add_argument(
+        "--batch-size", type=_at_least(1), default=32, help="images per request [32]"
+    )
+    parser.add_argument(
+        "--concurrency", type=_at_least(1), default=4, help="requests in flight [4]"
+    )
+    parser.add_argument("--timeout", type=_seconds, default=60.0, help="seconds per request [60]")
+    parser.add_argument(
+        "--retries", type=_at_least(0), default=5, help="retries of a failed request [5]"
+    )
     parser.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
     )
@@ -82,7 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if not any(os.path.exists(p) for p in args.paths):  # one missing among others: skipped
+        parser.error("no such file or folder: " + ", ".join(args.paths))
     configure_logging(args.log_level)
     from clipserve.client import Client, ClientError
 
@@ -143,8 +155,8 @@ def run(args: argparse.Namespace, embedder: Embedder) -> Outcome:
     store = EmbeddingStore(cache, model, dim, variant)
     sent, failed = embed_missing(embedder, store, photos)
     store.compact()
-    photos = {h: copies for h, copies in photos.items() if h in store}
-    hashes = list(photos)
+    # Only embedded hashes are compared; copies of one that is not are still an exact group.
+    hashes = [h for h in photos if h in store]
     vectors = store.vectors(hashes)
     pairs = near_pairs(vectors, threshold, args.index)
     groups = build_groups(photos, hashes, vectors, pairs)
@@ -152,7 +164,7 @@ def run(args: argparse.Namespace, embedder: Embedder) -> Outcome:
         model=model,
         threshold=threshold,
         photos=sum(len(c) for c in photos.values()),
-        unique=len(hashes),
+        unique=len(photos),
         embedded=sent,
         groups=groups,
         skipped=[*found.skipped, *failed],
@@ -167,3 +179,27 @@ def _threshold(text: str) -> float:
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in "invalid int value"
+    return parse
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"must start with http:// or https://, got {text}")
+    return text

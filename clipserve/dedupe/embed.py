@@ -81,7 +81,7 @@ def embed_missing(
         good = []
         for i, h in enumerate(hashes):
             if i in result.errors or not np.isfinite(vectors[i]).all():
-                reason = result.errors.get(i, "no embedding")
+                reason = _unnamed(result.errors.get(i, "no embedding"), items[i], i)
                 skipped.extend(_skip(photos[h], f"embedding failed: {reason}"))
             else:
                 good.append(i)
@@ -103,6 +103,13 @@ def _item(photo: Photo) -> str | bytes:
     out = io.BytesIO()
     upright.save(out, "JPEG", quality=HEIF_JPEG_QUALITY)
     return out.getvalue()
+
+
+def _unnamed(reason: str, item: str | bytes, index: int) -> str:
+    """The embedder's reason without the name it starts with ("<path>: why", "<bytes #i>: why"):
+    every copy of the content is skipped with it, each under its own path."""
+    source = item if isinstance(item, str) else f"<bytes #{index}>"
+    return reason.removeprefix(f"{source}: ")
 
 
 def _skip(copies: list[Photo], reason: str) -> list[Skipped]:

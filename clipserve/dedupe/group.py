@@ -7,7 +7,10 @@ A and C are further apart than the threshold. Each group says how far apart it c
 - `similarity` of a group: the minimum cosine over all pairs of its files (1.0 for an exact
   group), so a reviewer sees the loosest link;
 - `similarity` of a file: its cosine to the group's first file, the suggested one to keep
-  (the most pixels, then the most bytes, then the path).
+  (the most pixels, then the most bytes, then a real file before a symlink, then the path).
+
+A content hash without an embedding (the model could not take it) is in no near group, but its
+copies are still an exact group.
 """
 
 from __future__ import annotations
@@ -87,7 +90,8 @@ def build_groups(
     photos: dict[str, list[Photo]], hashes: Sequence[str], vectors: np.ndarray, pairs: Pairs
 ) -> list[Group]:
     """Groups of two or more files. `hashes[i]` is the content hash of row i of `vectors`
-    (L2-normalised), `pairs` index those rows; a hash with several files is a group already."""
+    (L2-normalised), `pairs` index those rows; a hash with several files is a group already,
+    with or without a row."""
     sets = UnionFind(len(hashes))
     for a, b in zip(pairs.left.tolist(), pairs.right.tolist(), strict=True):
         sets.union(a, b)
@@ -96,7 +100,7 @@ def build_groups(
         files = [(p, row) for row in rows for p in photos[hashes[row]]]
         if len(files) < 2:
             continue
-        files.sort(key=lambda f: (-f[0].width * f[0].height, -f[0].size, f[0].path))
+        files.sort(key=lambda f: _keep_order(f[0]))
         first = vectors[files[0][1]]
         members = [
             Member(p, 1.0 if hashes[row] == hashes[files[0][1]] else _cos(vectors[row], first))
@@ -105,8 +109,19 @@ def build_groups(
         exact = len(rows) == 1
         similarity = 1.0 if exact else round(min_pairwise(vectors[rows]), 6)
         groups.append(Group(members, similarity, "exact" if exact else "near"))
+    embedded = set(hashes)
+    for h, copies in photos.items():
+        if h not in embedded and len(copies) > 1:
+            ordered = sorted(copies, key=_keep_order)
+            groups.append(Group([Member(p, 1.0) for p in ordered], 1.0, "exact"))
     groups.sort(key=lambda g: (-len(g.members), g.members[0].photo.path))
     return groups
+
+
+def _keep_order(p: Photo) -> tuple[int, int, bool, str]:
+    """The suggested keep first: a symlink after the file it may point to, so the report never
+    suggests deleting the only real copy."""
+    return (-p.width * p.height, -p.size, p.link, p.path)
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> float:

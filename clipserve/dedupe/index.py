@@ -29,6 +29,9 @@ ANN_CONNECTIVITY = 16
 ANN_EXPANSION_ADD = 64
 ANN_EXPANSION_SEARCH = 64
 EXTRA = "pip install 'clipserve[dedupe]'"
+# Pairs are kept from threshold - EPSILON: float32 rounding puts the dot product of two identical
+# unit vectors at 0.99999994 or so, which --threshold 1 would otherwise miss.
+EPSILON = 1e-6
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ def pairs_blockwise(x: np.ndarray, threshold: float, block: int = BLOCK) -> Pair
         for j0 in range(i0, n, block):
             cols = x[j0 : j0 + block]
             products = np.matmul(rows, cols.T, out=buffer[: len(rows), : len(cols)])
-            i, j = np.nonzero(products >= threshold)
+            i, j = np.nonzero(products >= threshold - EPSILON)
             if i0 == j0:  # the diagonal block: each pair once, no row with itself
                 keep = j > i
                 i, j = i[keep], j[keep]
@@ -104,7 +107,7 @@ def pairs_from_neighbours(x: np.ndarray, neighbours: np.ndarray, threshold: floa
     key = np.unique(left * n + right)
     left, right = key // n, key % n
     sims = np.einsum("ij,ij->i", x[left], x[right]) if len(key) else np.zeros(0, np.float32)
-    keep = sims >= threshold
+    keep = sims >= threshold - EPSILON
     return Pairs(left[keep], right[keep], sims[keep].astype(np.float32))
 
 

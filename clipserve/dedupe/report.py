@@ -4,7 +4,8 @@ a group) and report.html (thumbnails side by side, one self-contained file).
 Paths are untrusted text (anyone can name a file `<script>…`): the HTML escapes every one, and
 its Content-Security-Policy allows no script and no image but its own data: URIs anyway.
 CSV cells are written as they are (a spreadsheet may read a path starting with `=` as a
-formula: open the CSV as text, or read groups.json).
+formula: open the CSV as text, or read groups.json). A symlink is labelled as one (`symlink` in
+the JSON and CSV, "(symlink)" in the HTML): deleting the file it points to loses the photo.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ CSV_COLUMNS = (
     "width",
     "height",
     "sha256",
+    "symlink",
 )
 
 
@@ -106,6 +108,7 @@ def as_json(outcome: Outcome) -> dict[str, object]:
                         "width": m.photo.width,
                         "height": m.photo.height,
                         "sha256": m.photo.sha256,
+                        "symlink": m.photo.link,
                     }
                     for m in g.members
                 ],
@@ -124,7 +127,7 @@ def as_csv(outcome: Outcome) -> str:
         for m in g.members:
             p = m.photo
             row = (number, g.kind, g.similarity, p.path, m.similarity, p.size)
-            writer.writerow((*row, p.width, p.height, p.sha256))
+            writer.writerow((*row, p.width, p.height, p.sha256, p.link))
     return out.getvalue()
 
 
@@ -169,6 +172,7 @@ def as_html(outcome: Outcome) -> str:
             same = first_with.setdefault(p.sha256, i + 1)
             note = " (suggested keep)" if i == 0 else ""
             note += f" (same bytes as file {same})" if same != i + 1 else ""
+            note += " (symlink)" if p.link else ""
             parts.append(
                 f'<figure class="card{keep}">{img}<figcaption>'
                 f'<a href="{_e(_href(p.path))}">{_e(p.path)}</a><br>'

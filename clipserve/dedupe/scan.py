@@ -3,7 +3,9 @@
 A file is a candidate by its suffix (hidden files and folders are passed over); it is a photo
 if Pillow opens its header as JPEG, PNG or WebP (HEIC/HEIF too where the pillow-heif plugin is
 importable). Anything that fails is skipped with its reason and one log line; nothing aborts
-the run. A file the manifest already knows (same path, size and mtime) is not read again.
+the run. A file the manifest already knows (same path, size, mtime, ctime and inode) is not
+read again: a copy that puts the mtime back (`cp -p`, `rsync -t`, `touch -r`) still changes the
+ctime. A file name that is not UTF-8 is skipped (the reports are UTF-8 text), named escaped.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ READ_WORKERS = 4
 
 @dataclass(frozen=True)
 class Photo:
-    """One readable photo: `path` is absolute (symlinks kept as named), `sha256` its bytes."""
+    """One readable photo: `path` is absolute (symlinks kept as named, `link` says so),
+    `sha256` its bytes."""
 
     path: str
     size: int
@@ -40,6 +43,9 @@ class Photo:
     width: int
     height: int
     format: str
+    ctime_ns: int = 0
+    ino: int = 0
+    link: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,8 @@ def heif_available() -> bool:
 
 def scan(roots: Iterable[str | Path], known: Mapping[str, Photo] | None = None) -> Scan:
     """Every photo under `roots` (folders or files), in path order. `known` maps paths to what
-    an earlier run found; an entry with the same size and mtime is trusted without reading."""
+    an earlier run found; an entry with the same size, times, inode and link status is
+    trusted without reading."""
     known = known or {}
     heif = heif_available()
     suffixes = SUFFIXES | HEIF_SUFFIXES if heif else SUFFIXES
@@ -79,6 +86,9 @@ def scan(roots: Iterable[str | Path], known: Mapping[str, Photo] | None = None) 
     for path in _walk(roots, result):
         if Path(path).suffix.lower() not in suffixes:
             result.ignored += 1
+            continue
+        if shown(path) != path:
+            _skip(result, path, "the file name is not valid UTF-8")
             continue
         try:
             st = os.stat(path)
@@ -91,7 +101,7 @@ def scan(roots: Iterable[str | Path], known: Mapping[str, Photo] | None = None) 
     found: dict[str, Photo] = {}
     for path, st in candidates:
         old = known.get(path)
-        if old is not None and old.size == st.st_size and old.mtime_ns == st.st_mtime_ns:
+        if old is not None and _unchanged(old, path, st):
             found[path] = old
         else:
             to_read.append((path, st))
@@ -166,9 +176,28 @@ def _read(path: str, st: os.stat_result, formats: tuple[str, ...]) -> Photo | st
         width=width,
         height=height,
         format=fmt,
+        ctime_ns=st.st_ctime_ns,
+        ino=st.st_ino,
+        link=os.path.islink(path),
     )
 
 
+def _unchanged(old: Photo, path: str, st: os.stat_result) -> bool:
+    now = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, os.path.islink(path))
+    return (old.size, old.mtime_ns, old.ctime_ns, old.ino, old.link) == now
+
+
+def shown(path: str) -> str:
+    """The path as the reports write it: a name that is not UTF-8 (its bytes kept by Python
+    as surrogates) with those bytes escaped, `caf\\xe9.jpg`; any other path as it is."""
+    try:
+        raw = os.fsencode(path)
+    except UnicodeEncodeError:  # a lone surrogate that no file name decoded to
+        raw = path.encode("utf-8", "backslashreplace")
+    return raw.decode("utf-8", "backslashreplace")
+
+
 def _skip(result: Scan, path: str, reason: str) -> None:
+    path = shown(path)
     log.warning("skipped %s: %s", path, reason)
     result.skipped.append(Skipped(path, reason))

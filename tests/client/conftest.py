@@ -109,3 +109,23 @@ class BodyLimit(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+@dataclass
+class WrongEncoding(httpx.AsyncBaseTransport):
+    """A broken proxy in front of the server: its answers to `path` say Content-Encoding gzip
+    over a body that is not gzip."""
+
+    path: str = "/embed"
+    inner: httpx.AsyncHTTPTransport = field(default_factory=httpx.AsyncHTTPTransport)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if request.url.path != self.path:
+            return response
+        body = await response.aread()
+        headers = {**response.headers, "content-encoding": "gzip"}
+        return httpx.Response(response.status_code, headers=headers, content=body)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

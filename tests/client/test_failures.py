@@ -16,12 +16,13 @@ from clipserve.client import (
     ClientError,
     Overloaded,
     RequestTimedOut,
+    ServerError,
     ServerGone,
     Unauthorized,
 )
 from clipserve.client.retry import RetryPolicy, parse_retry_after
 from clipserve.loadgen.procs import free_port
-from tests.client.conftest import Recording
+from tests.client.conftest import Recording, WrongEncoding
 from tests.helpers import Serve, marked_png
 
 
@@ -103,6 +104,15 @@ def test_the_api_key_is_sent_as_a_bearer_token(serve: Serve, tmp_path: Path) -> 
         Client(server.url)
     with pytest.raises(Unauthorized):
         Client(server.url, api_key="not-a-known-key")
+
+
+def test_an_answer_that_does_not_decode_is_a_server_error(serve: Serve) -> None:
+    """A proxy labels the server's answer gzip: the client's own error, no httpx type."""
+    server = serve(backend="fake")
+    with Client(server.url, transport=WrongEncoding()) as c, pytest.raises(ServerError) as raised:
+        c.embed_images([marked_png(1)])
+    assert (raised.value.status, raised.value.code) == (0, "unreadable_answer")
+    assert "POST /embed" in raised.value.message
 
 
 def test_the_retry_policy_backs_off_exponentially_with_jitter() -> None:

@@ -8,6 +8,7 @@ import asyncio
 import io
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -191,3 +192,32 @@ def test_texts_over_the_context_name_their_global_index(client: Client) -> None:
     assert "context" in raised.value.message
     with pytest.raises(TypeError):
         client.embed_texts("one string")
+
+
+def test_an_item_of_no_image_type_is_a_bad_item_in_both_modes(
+    client: Client, local_client: Client
+) -> None:
+    """None or a PIL image in a checked call is that item's error, not a TypeError for all."""
+    items: list[Any] = [marked_png(1), None, Image.new("RGB", (8, 8)), marked_png(2)]
+    done, local = client.embed_images_checked(items), local_client.embed_images_checked(items)
+    assert done.errors == local.errors
+    assert done.errors == {
+        1: "<NoneType #1>: expected a path, bytes or an HxWx3 uint8 array, got NoneType",
+        2: "<Image #2>: expected a path, bytes or an HxWx3 uint8 array, got Image",
+    }
+    assert np.isfinite(done.vectors[[0, 3]]).all()
+    with pytest.raises(InvalidInput) as raised:
+        client.embed_images(items)
+    assert (raised.value.index, raised.value.source) == (1, "<NoneType #1>")
+
+
+def test_a_text_that_is_not_valid_unicode_is_refused_alike_in_both_modes(
+    client: Client, local_client: Client
+) -> None:
+    """A lone surrogate cannot be sent as UTF-8: InvalidInput naming it, remote and local."""
+    texts = ["a cat", "bad \ud800 text"]
+    for c in (client, local_client):
+        with pytest.raises(InvalidInput) as raised:
+            c.embed_texts(texts)
+        assert (raised.value.index, raised.value.source) == (1, "<text #1>")
+        assert "surrogate" in raised.value.message

@@ -62,6 +62,39 @@ def test_dedupe_refuses_url_with_local(capsys: pytest.CaptureFixture[str]) -> No
     assert "not allowed with argument" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--batch-size", "0"], "--batch-size: must be at least 1"),
+        (["--concurrency", "0"], "--concurrency: must be at least 1"),
+        (["--retries", "-1"], "--retries: must be at least 0"),
+        (["--timeout", "0"], "--timeout: must be a positive number"),
+        (["--url", "127.0.0.1:8000"], "--url: must start with http://"),
+    ],
+)
+def test_bad_flag_values_are_usage_errors(
+    flags: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["dedupe", str(tmp_path), "--out", str(tmp_path / "o"), *flags])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: clipserve dedupe") and says in err
+
+
+def test_only_missing_paths_is_a_usage_error(
+    tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    local = ["--local", "--model", str(tiny_config), "--checkpoint", str(tiny_checkpoint)]
+    argv = ["dedupe", *local, "--pretrained", "none", "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, str(tmp_path / "gone"), str(tmp_path / "also gone")])
+    assert exited.value.code == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    assert main([*argv, str(tmp_path / "gone"), str(tmp_path)]) == 0  # one of them is there
+
+
 def test_local_run_finds_exact_and_reencoded_copies_then_resumes(
     photos: tuple[Path, dict[str, tuple[str, str]]],
     tiny_config: Path,

@@ -84,3 +84,16 @@ def test_min_pairwise_is_the_loosest_pair() -> None:
     want = min(float(x[i] @ x[j]) for i, j in itertools.combinations(range(50), 2))
     assert min_pairwise(x, block=7) == pytest.approx(want, abs=1e-6)
     assert min_pairwise(x[:1]) == 1.0
+
+
+def test_identical_vectors_pair_at_threshold_one() -> None:
+    """float32 rounds the dot product of a unit vector with itself to 0.99999994 or so:
+    --threshold 1 still pairs identical embeddings, exactly and from neighbours."""
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((200, 512)).astype(np.float32)
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    assert (np.einsum("ij,ij->i", rows, rows) < 1.0).any()  # the rounding this is about
+    for v in rows:
+        x = np.stack([v, v])
+        assert as_set(pairs_blockwise(x, 1.0)) == {(0, 1)}
+        assert as_set(pairs_from_neighbours(x, np.array([[1], [0]]), 1.0)) == {(0, 1)}

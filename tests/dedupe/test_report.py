@@ -92,7 +92,15 @@ def test_groups_json_has_the_documented_shape(
     assert near["files"][0] == str(files["b"])  # same pixels, more bytes (PNG): first
     assert THRESHOLD <= near["similarity"] <= 1.0
     assert near["members"][1]["similarity"] == near["similarity"]  # two files: one pair
-    assert set(near["members"][0]) == {"path", "similarity", "size", "width", "height", "sha256"}
+    assert set(near["members"][0]) == {
+        "path",
+        "similarity",
+        "size",
+        "width",
+        "height",
+        "sha256",
+        "symlink",
+    }
     assert data["skipped"] == [
         {"path": str(files["broken"]), "reason": data["skipped"][0]["reason"]}
     ]
@@ -212,3 +220,50 @@ def test_an_empty_folder_writes_an_empty_report(
     data = json.loads((tmp_path / "out" / "groups.json").read_text())
     assert (data["groups"], data["counts"]["photos"]) == ([], 0)
     assert "0 groups" in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_a_symlink_is_never_the_suggested_keep_and_is_labelled(
+    tmp_path: Path, dedupe: Callable[[Path, Path], Outcome]
+) -> None:
+    """A link named to sort first: the real file is still the one to keep, the link is the copy
+    the report offers to delete, and it says it is a link."""
+    real = write_photo(tmp_path / "photos" / "holiday.jpg", seed=1)
+    link = tmp_path / "photos" / "0-shortcut.jpg"
+    link.symlink_to(real)
+    (group,) = dedupe(tmp_path / "photos", tmp_path / "out").groups
+    assert [(m.photo.path, m.photo.link) for m in group.members] == [
+        (str(real), False),
+        (str(link), True),
+    ]
+    data = json.loads((tmp_path / "out" / "groups.json").read_text())
+    assert [m["symlink"] for m in data["groups"][0]["members"]] == [False, True]
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "out" / "groups.csv").read_text())))
+    assert [r["symlink"] for r in rows] == ["False", "True"]
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert page.count("(symlink)") == 1
+    assert page.index("(symlink)") > page.index("0-shortcut.jpg") > page.index("holiday.jpg")
+
+
+def test_copies_the_model_cannot_take_are_still_an_exact_group(
+    tmp_path: Path, dedupe: Callable[[Path, Path], Outcome]
+) -> None:
+    """Two byte-identical photos the model refuses (longer side 500 times the shorter: over the
+    aspect limit) and one it takes: one exact group, each copy skipped under its own name."""
+    strip = tmp_path / "photos" / "strip.png"
+    strip.parent.mkdir()
+    picture(1, size=(1000, 2)).save(strip)
+    copy = tmp_path / "photos" / "strip copy.png"
+    copy.write_bytes(strip.read_bytes())
+    write_photo(tmp_path / "photos" / "other.png", seed=2)
+    outcome = dedupe(tmp_path / "photos", tmp_path / "out")
+    assert [(g.kind, g.similarity, [m.photo.path for m in g.members]) for g in outcome.groups] == [
+        ("exact", 1.0, [str(copy), str(strip)])
+    ]
+    assert [m.similarity for m in outcome.groups[0].members] == [1.0, 1.0]
+    reasons = {s.path: s.reason for s in outcome.skipped}
+    assert set(reasons) == {str(strip), str(copy)}
+    assert reasons[str(strip)] == reasons[str(copy)]
+    assert (
+        reasons[str(strip)].startswith("embedding failed: ") and "strip" not in reasons[str(copy)]
+    )
+    assert (outcome.photos, outcome.unique, outcome.embedded) == (3, 2, 2)

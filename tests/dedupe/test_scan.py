@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,9 +16,10 @@ import pytest
 from PIL import Image
 
 from clipserve.dedupe import scan as scan_module
+from clipserve.dedupe.cache import load_manifest, save_manifest
 from clipserve.dedupe.cli import run
 from clipserve.dedupe.scan import scan
-from tests.dedupe.library import THRESHOLD, Recorder, write_photo
+from tests.dedupe.library import THRESHOLD, Recorder, picture, write_photo
 
 
 def test_photos_are_found_and_unreadable_files_skipped_and_counted(
@@ -115,3 +118,52 @@ def test_heic_is_read_upright_and_grouped_with_its_jpeg(
     assert [sorted(Path(m.photo.path).name for m in g.members) for g in outcome.groups] == [
         ["IMG_0001.HEIC", "a.jpg"]
     ]
+
+
+def test_a_file_replaced_with_its_mtime_put_back_is_read_again(tmp_path: Path) -> None:
+    """`cp -p`, `rsync -t` and `touch -r` put the old mtime on new bytes of the same size: the
+    inode (a new file moved in) or the ctime (bytes rewritten in place) still tell."""
+    path, other = tmp_path / "a.png", tmp_path / "other.png"
+    picture(1).save(path, compress_level=0)  # stored, not compressed: one size for any pixels
+    picture(2).save(other, compress_level=0)
+    assert path.stat().st_size == other.stat().st_size
+    save_manifest(tmp_path / "cache", scan([path]).photos)
+    (first,) = load_manifest(tmp_path / "cache").values()
+    assert (first.ctime_ns, first.ino) == (path.stat().st_ctime_ns, path.stat().st_ino)
+
+    def put_back(mtime_ns: int) -> None:
+        os.utime(path, ns=(mtime_ns, mtime_ns))
+
+    os.replace(other, path)  # a new inode under the old name
+    put_back(first.mtime_ns)
+    moved = scan([path], known={first.path: first})
+    assert moved.read == 1 and moved.photos[0].sha256 != first.sha256
+
+    time.sleep(0.05)  # past the kernel's timestamp tick: the rewrite gets a later ctime
+    second = moved.photos[0]
+    picture(3).save(path, compress_level=0)  # in place: the same inode, new bytes
+    put_back(second.mtime_ns)
+    rewritten = scan([path], known={second.path: second})
+    assert rewritten.read == 1 and rewritten.photos[0].sha256 != second.sha256
+
+
+def test_a_file_name_that_is_not_utf8_is_skipped_and_named_escaped(
+    tmp_path: Path, recorder: Callable[..., Recorder]
+) -> None:
+    """A Latin-1 name on Linux (`caf\\xe9.jpg`): skipped, counted, and every report stays UTF-8."""
+    folder = tmp_path / "photos"
+    write_photo(folder / "ok.jpg", 1)
+    latin1 = os.path.join(os.fsencode(folder), b"caf\xe9.jpg")
+    write_photo(Path(os.fsdecode(latin1)), 1)
+    args = argparse.Namespace(
+        paths=[folder], threshold=THRESHOLD, out=tmp_path / "out", cache=None, index="exact"
+    )
+    outcome = run(args, recorder())
+    assert outcome.photos == 1 and outcome.groups == []
+    assert [(s.path, s.reason) for s in outcome.skipped] == [
+        (f"{folder}/caf\\xe9.jpg", "the file name is not valid UTF-8")
+    ]
+    data = json.loads((tmp_path / "out" / "groups.json").read_bytes())
+    assert data["skipped"][0]["path"] == f"{folder}/caf\\xe9.jpg"
+    (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
+    (tmp_path / "out" / "groups.csv").read_text(encoding="utf-8")
