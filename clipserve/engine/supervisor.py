@@ -133,7 +133,13 @@ class Supervisor:
                 BucketTable.remove(self.buckets)  # left by a killed supervisor of this pid
                 BucketTable(self.buckets, create=True).close()
             self._start_engine()
-            self._wait_engine_ready()
+            try:
+                self._wait_engine_ready()
+            except StartupError:
+                if self.stopping:  # SIGTERM while the model loaded: a stop, not a failure
+                    log.info("stopped before the engine was ready")
+                    return 0
+                raise
             self._together = self.ctx.Barrier(len(self.front))
             for index in range(len(self.front)):
                 self._start_front(index, self._together)
@@ -261,12 +267,17 @@ class Supervisor:
                 self._drop_barrier()
                 if self._liveness is not None:
                     self._liveness.ages(ages)
-                starting = self.engine is not None and self.engine.ready_by is not None
+                if self.engine is not None and self._due(self.engine, now):
+                    self._restart_engine()
+                # A front end waits while the engine is dead or starting: started against no
+                # engine, it would give up (and be restarted) before a slow model has loaded.
+                engine = self.engine
+                starting = engine is not None and (
+                    engine.ready_by is not None or not engine.process.is_alive()
+                )
                 for index, child in enumerate(self.front):
                     if child is not None and self._due(child, now) and not starting:
                         self._start_front(index)
-                if self.engine is not None and self._due(self.engine, now):
-                    self._restart_engine()
         finally:
             if self._liveness is not None:
                 self._liveness.close()
@@ -342,6 +353,10 @@ class Supervisor:
                 self._liveness.restarted(child.label, child.cause)
             if child.heart is not None:
                 child.heart.close(unlink=True)
+            if self._together is not None and child.name != "engine":
+                # Its replacement gets no barrier: the others go on now, not in 60 s (the
+                # barrier itself goes once each has opened it: `_drop_barrier`).
+                self._together.abort()
             self._forget(child)
         return True
 
@@ -402,6 +417,9 @@ class Supervisor:
             BucketTable.remove(self.buckets)
         if self._own_metrics_dir:
             os.environ.pop(MULTIPROC_ENV, None)
+        elif self.metrics is not None:  # the user's directory: emptied, as at startup
+            for stale in self.metrics.glob("*.db"):
+                stale.unlink(missing_ok=True)
         shutil.rmtree(self.tmp, ignore_errors=True)
         release_lock(self.pid, self._lock)  # last: until here, our files are in use
 

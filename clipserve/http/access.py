@@ -14,11 +14,8 @@ total over all front ends. Probes stay open, and /metrics too unless --protect-m
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Generic
 
 import numpy as np
@@ -29,6 +26,7 @@ from clipserve.batching.tower import CachingTower, Completed, TicketT, Tower, Wo
 from clipserve.config import AccessConfig
 from clipserve.errors import RateLimited, Unauthorized
 from clipserve.http.buckets import BucketTable, retry_after
+from clipserve.http.charges import Charge, charging, current_charge
 from clipserve.http.keys import Grant, KeyFile, Rate, anonymous, parse_rate, read_keys
 from clipserve.metrics import rate_limited_counter
 
@@ -50,30 +48,6 @@ OPEN_PATHS = frozenset(
 )
 METRICS_PATHS = frozenset({"/metrics", "/v1/metrics"})
 _BEARER = b"bearer "
-
-
-@dataclass
-class Charge:
-    """One request's account: its grant, and the tokens it has taken so far."""
-
-    grant: Grant
-    taken: float = 0.0
-
-
-_CHARGE: contextvars.ContextVar[Charge | None] = contextvars.ContextVar(
-    "clipserve_charge", default=None
-)
-
-
-@contextlib.contextmanager
-def charging(grant: Grant) -> Iterator[None]:
-    """The request's account while its handler runs: what `MeteredTower` charges (the gRPC
-    door's counterpart of `AccessGuard`)."""
-    token = _CHARGE.set(Charge(grant))
-    try:
-        yield
-    finally:
-        _CHARGE.reset(token)
 
 
 def check_access(config: AccessConfig) -> None:
@@ -144,24 +118,38 @@ class Access:
             return 0.0
         return max(0.0, (1.0 - self.table.available(grant.bucket, rate)) / rate.per_s)
 
-    def take(self, charge: Charge, n: int) -> None:
+    def take(self, charge: Charge, n: int) -> float:
         """`n` more items for the request; RateLimited if its bucket is short. A request as a
         whole needs min(its items, the burst) tokens: larger ones pass on a full bucket and
-        leave a debt, so the rate holds over time and no request is refused for ever."""
+        leave a debt, so the rate holds over time and no request is refused for ever. Returns
+        how many of them its prepaid tokens paid for (`give_back` needs it)."""
         rate = charge.grant.rate
         if rate is None:
-            return
-        threshold = max(0.0, min(float(n), rate.burst - charge.taken))
-        wait = self.table.take(charge.grant.bucket, n, threshold, rate)
+            return 0.0
+        prepaid = min(charge.prepaid, n)
+        if prepaid:
+            charge.prepaid -= prepaid
+            if prepaid == n:
+                return prepaid
+        threshold = max(0.0, min(n - prepaid, rate.burst - charge.taken))
+        wait = self.table.take(charge.grant.bucket, n - prepaid, threshold, rate)
         if wait > 0:
-            raise self.refused(charge.grant, rate, wait)
-        charge.taken += n
+            charge.prepaid += prepaid
+            # Its retry takes again what this request took (nothing is given back): the wait
+            # covers that too, or a client that waits as told is refused again, for ever.
+            raise self.refused(charge.grant, rate, wait + charge.taken / rate.per_s)
+        charge.taken += n - prepaid
+        return prepaid
 
-    def give_back(self, charge: Charge, n: int) -> None:
+    def give_back(self, charge: Charge, n: int, prepaid: float = 0.0) -> None:
+        """`n` items `take` charged for and the server could not serve (`prepaid` of them paid
+        for by the request's unused places: those stay the request's)."""
         rate = charge.grant.rate
         if rate is not None:
-            self.table.give_back(charge.grant.bucket, n, rate)
-            charge.taken -= n
+            charge.prepaid += prepaid
+            if n > prepaid:
+                self.table.give_back(charge.grant.bucket, n - prepaid, rate)
+                charge.taken -= n - prepaid
 
     def refused(self, grant: Grant, rate: Rate, wait_s: float) -> RateLimited:
         self.rate_limited.labels(grant.label).inc()
@@ -174,12 +162,21 @@ class Access:
 
 
 class AccessGuard:
-    """The key check, and a 429 for a key whose bucket is empty, on the headers alone."""
+    """The key check, and a 429 for a key whose bucket is empty, on the headers alone: for
+    inference POSTs (`inference`), which are what tokens pay for; other POSTs (shared-memory
+    registration, the repository index) cost nothing, as over gRPC."""
 
-    def __init__(self, app: ASGIApp, access: Access, pages: ErrorPages) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        access: Access,
+        pages: ErrorPages,
+        inference: Callable[[Scope], bool],
+    ) -> None:
         self.app = app
         self.access = access
         self.pages = pages
+        self.inference = inference
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.access.open_path(scope["path"]):
@@ -199,7 +196,7 @@ class AccessGuard:
             await response(scope, receive, send)
             return
         scope.setdefault("state", {})["key"] = grant.label  # for the access line and span
-        if scope["method"] == "POST" and grant.rate is not None:
+        if scope["method"] == "POST" and grant.rate is not None and self.inference(scope):
             wait = self.access.wait_s(grant)
             if wait > 0:  # refused before the body is read
                 error = self.access.refused(grant, grant.rate, wait)
@@ -232,14 +229,14 @@ class MeteredTower(Generic[TicketT]):
         return self.tower.depth()
 
     async def reserve(self, n: int, deadline: float) -> TicketT:
-        charge = _CHARGE.get()
+        charge = current_charge()
         if charge is None:
             return await self.tower.reserve(n, deadline)
-        self.access.take(charge, n)
+        prepaid = self.access.take(charge, n)
         try:
             return await self.tower.reserve(n, deadline)
         except BaseException:
-            self.access.give_back(charge, n)
+            self.access.give_back(charge, n, prepaid)
             raise
 
     async def lookup(self, keys: Sequence[bytes]) -> list[np.ndarray | None]:

@@ -37,6 +37,12 @@ def first_match(routes: Sequence[BaseRoute], scope: Scope) -> tuple[BaseRoute, S
     return None
 
 
+def is_inference(routes: Sequence[BaseRoute], scope: Scope) -> bool:
+    """Whether the router would send `scope` to an inference endpoint."""
+    found = first_match(routes, scope)
+    return found is not None and _fast(found[0])
+
+
 class FastLane:
     """ASGI middleware over Starlette's stack, inside the observer and the key check."""
 

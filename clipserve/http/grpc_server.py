@@ -31,7 +31,8 @@ from tritonclient.grpc import service_pb2
 
 from clipserve.config import ServerConfig
 from clipserve.errors import ClipserveError, InvalidBody, StartupError, Unauthorized
-from clipserve.http.access import Access, charging
+from clipserve.http.access import Access
+from clipserve.http.charges import charging
 from clipserve.http.grpc_status import grpc_error
 from clipserve.http.keys import Grant
 from clipserve.http.listeners import check_tls

@@ -30,6 +30,7 @@ MAX_BUCKETS = 16_384  # distinct quotas a file may define (the shared table hold
 MIN_KEY_CHARS = 8
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _KEY = re.compile(r"[!-~]+")  # visible ASCII; ':' is refused separately (it splits the fields)
+_COMMENT = re.compile(r"\s#.*$")
 _RATE = re.compile(r"(\d+(?:\.\d+)?)(?::(\d+))?")
 
 
@@ -90,7 +91,8 @@ def parse_keys(text: str, source: str, default: Rate | None) -> KeyRing:
     grants: dict[bytes, Grant] = {}
     rates: dict[str, Rate | None] = {}  # by name: the lines of one name must agree
     for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
+        # A comment starts a line or follows a blank: a key has no blank, so `k#1` is a key.
+        line = _COMMENT.sub("", raw).strip()
         if not line or line.startswith("#"):
             continue
         where = f"--api-keys {source}, line {number}"

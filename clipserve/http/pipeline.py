@@ -28,6 +28,7 @@ from clipserve.config import ServerConfig
 from clipserve.errors import ClipserveError, with_item_index
 from clipserve.http import health
 from clipserve.http.cache_keys import CacheKeys, Found
+from clipserve.http.charges import refund_unused
 from clipserve.http.counted import RequestMetrics
 from clipserve.http.exchange import Exchange
 from clipserve.http.fetch import ImageFetcher
@@ -214,6 +215,7 @@ class Pipeline(Generic[TicketT]):
         or is given back now if the request has none there."""
         if work.count(tower) == 0:
             held.ticket.release_all()
+            refund_unused(held.n)
         image_held = held if tower == "image" else None
         text_held = held if tower == "text" else None
         if work.texts is None and work.images is not None:  # most requests: awaited here
