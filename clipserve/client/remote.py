@@ -134,9 +134,15 @@ class RemoteEngine:
     async def start(self) -> None:
         if self._card is not None:
             return
-        answer = await self._request("GET", "/info")
-        card = answer.json()
+        card = await self.info()
+        try:
+            self._use_card(card)
+        except (KeyError, IndexError, TypeError, ValueError) as e:  # not a clipserve card
+            why = f"GET /info: not a model card this client reads ({type(e).__name__}: {e})"
+            raise ServerError(200, "bad_answer", why) from None
         self._card = card
+
+    def _use_card(self, card: dict[str, Any]) -> None:
         if self._image_format == "tensor":
             size = card["input_size"]
             spec = PreprocessSpec(
@@ -155,7 +161,15 @@ class RemoteEngine:
             )
 
     async def info(self) -> dict[str, Any]:
-        return dict((await self._request("GET", "/info")).json())
+        answer = await self._request("GET", "/info")
+        try:
+            card = answer.json()
+        except ValueError:  # JSON and UTF-8 errors both: a proxy's page, not the server's card
+            card = None
+        if not isinstance(card, dict):
+            why = f"GET /info: not a JSON object ({answer.headers.get('content-type', 'no type')})"
+            raise ServerError(answer.status_code, "bad_answer", why)
+        return card
 
     async def aclose(self) -> None:
         await self._http.aclose()

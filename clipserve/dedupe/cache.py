@@ -15,7 +15,7 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +65,26 @@ def save_manifest(directory: Path, photos: Iterable[Photo]) -> None:
     ]
     body = {"version": MANIFEST_VERSION, "photos": entries}
     _write_atomic(directory / MANIFEST, orjson.dumps(body, option=orjson.OPT_INDENT_2))
+
+
+def carried_over(
+    known: Mapping[str, Photo], roots: Iterable[str | Path], seen: Iterable[str]
+) -> list[Photo]:
+    """The earlier entries a run keeps beside the photos it found: those outside its roots
+    whose file still exists (a later run may scan their folder again). One under its roots
+    that it did not find was deleted or is no photo now: forgotten, so the manifest does not
+    grow for ever with a library's churn."""
+    tops = {os.path.abspath(r) for r in roots}
+    under = tuple(top.rstrip(os.sep) + os.sep for top in tops)
+    found = set(seen)
+    return [
+        photo
+        for path, photo in known.items()
+        if path not in found
+        and path not in tops
+        and not path.startswith(under)
+        and os.path.lexists(path)
+    ]
 
 
 class EmbeddingStore:

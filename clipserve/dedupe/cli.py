@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from clipserve.dedupe.cache import EmbeddingStore, load_manifest, save_manifest
+from clipserve.dedupe.cache import EmbeddingStore, carried_over, load_manifest, save_manifest
 from clipserve.dedupe.embed import Embedder, embed_missing, model_identity
 from clipserve.dedupe.group import build_groups, by_hash
 from clipserve.dedupe.index import ANN_FROM, near_pairs
@@ -145,9 +145,8 @@ def run(args: argparse.Namespace, embedder: Embedder) -> Outcome:
         len(found.skipped),
         found.ignored,
     )
-    gone = {s.path for s in found.skipped}
-    kept = {p: v for p, v in known.items() if p not in gone}
-    save_manifest(cache, {**kept, **{p.path: p for p in found.photos}}.values())
+    kept = carried_over(known, args.paths, (p.path for p in found.photos))
+    save_manifest(cache, [*found.photos, *kept])
 
     photos = by_hash(found.photos)
     model, dim, variant = model_identity(embedder)

@@ -38,6 +38,7 @@ from clipserve.batching.cost import CostModel
 BEAT_INTERVAL_S = 0.5
 ENGINE_START_TIMEOUT_S = 600.0  # loading and warming up a model (a TensorRT build included)
 BACKOFF_MAX_S = 10.0  # the longest wait before restarting a child that keeps dying young
+YOUNG_S = 10.0  # a child that dies younger than this (since it came up) is restarted with backoff
 # A front end stamps first once its app starts: after importing torch and open_clip and waiting
 # for the others (front end start-up, up to a minute) and for the engine's card (another).
 FIRST_BEAT_S = 120.0

@@ -43,6 +43,7 @@ from clipserve.config import ServerConfig
 from clipserve.engine.heartbeat import (
     BACKOFF_MAX_S,
     ENGINE_START_TIMEOUT_S,
+    YOUNG_S,
     HeartbeatReader,
     LivenessMetrics,
     heartbeat_path,
@@ -72,6 +73,9 @@ class Child:
     process: BaseProcess
     started: float = field(default_factory=time.monotonic)
     failures: int = 0  # consecutive quick deaths, for the restart backoff
+    # When the engine last became ready; None while it loads. A death counts as quick from
+    # there: one that died 5 s after a 30 s model load was restarted at once, for ever.
+    ready_at: float | None = None
     restart_at: float | None = None
     # An engine restarting: when it must be ready by. Its heartbeat is watched only after.
     ready_by: float | None = None
@@ -222,6 +226,7 @@ class Supervisor:
         if message[0] == "error":
             raise StartupError(message[1])
         self.card = message[1]
+        self.engine.ready_at = time.monotonic()
 
     def _start_front(self, index: int, together: Barrier | None = None) -> None:
         from clipserve.engine.frontend import frontend_main
@@ -337,7 +342,8 @@ class Supervisor:
         if child.process.is_alive():
             return False
         if child.restart_at is None and not self.stopping:
-            quick = now - child.started < 10.0
+            up = child.started if child.name != "engine" else child.ready_at
+            quick = up is None or now - up < YOUNG_S  # an engine that never got ready: quick
             child.failures = child.failures + 1 if quick else 1
             child.restart_at = now + (child.backoff_s() if quick else 0.0)
             how = "was killed" if child.cause == "hung" else "exited"

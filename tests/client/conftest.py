@@ -129,3 +129,22 @@ class WrongEncoding(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+@dataclass
+class ProxyPage(httpx.AsyncBaseTransport):
+    """A proxy in front of the server that answers `path` itself, 200 with `body` (a captive
+    portal's HTML page, or a health check's JSON)."""
+
+    path: str = "/info"
+    body: bytes = b"<html><body>Please sign in</body></html>"
+    content_type: str = "text/html"
+    inner: httpx.AsyncHTTPTransport = field(default_factory=httpx.AsyncHTTPTransport)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path != self.path:
+            return await self.inner.handle_async_request(request)
+        return httpx.Response(200, headers={"content-type": self.content_type}, content=self.body)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

@@ -22,7 +22,7 @@ from clipserve.client import (
 )
 from clipserve.client.retry import RetryPolicy, parse_retry_after
 from clipserve.loadgen.procs import free_port
-from tests.client.conftest import Recording, WrongEncoding
+from tests.client.conftest import ProxyPage, Recording, WrongEncoding
 from tests.helpers import Serve, marked_png
 
 
@@ -113,6 +113,27 @@ def test_an_answer_that_does_not_decode_is_a_server_error(serve: Serve) -> None:
         c.embed_images([marked_png(1)])
     assert (raised.value.status, raised.value.code) == (0, "unreadable_answer")
     assert "POST /embed" in raised.value.message
+
+
+@pytest.mark.parametrize(
+    ("page", "content_type", "image_format"),
+    [
+        (b"<html><body>Please sign in</body></html>", "text/html", "encoded"),
+        (b"\xff\xfe not text", "application/json", "encoded"),
+        (b'["a list"]', "application/json", "encoded"),
+        (b'{"status": "ok"}', "application/json", "tensor"),  # an object, not a model card
+    ],
+)
+def test_an_info_answer_that_is_not_a_model_card_is_a_server_error(
+    serve: Serve, page: bytes, content_type: str, image_format: str
+) -> None:
+    """A proxy answers /info itself: the client's own error, no JSON or Key error."""
+    server = serve(backend="fake")
+    proxy = ProxyPage(body=page, content_type=content_type)
+    with pytest.raises(ServerError) as raised:
+        Client(server.url, transport=proxy, image_format=image_format)  # type: ignore[arg-type]
+    assert (raised.value.status, raised.value.code) == (200, "bad_answer")
+    assert "GET /info" in raised.value.message
 
 
 def test_the_retry_policy_backs_off_exponentially_with_jitter() -> None:

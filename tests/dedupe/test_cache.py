@@ -41,6 +41,21 @@ def test_the_manifest_round_trips_and_a_corrupt_one_is_ignored(
     assert "every file is read again" in caplog.text
 
 
+def test_the_manifest_forgets_deleted_files_and_keeps_other_folders(
+    tmp_path: Path, recorder: Callable[..., Recorder]
+) -> None:
+    first, second = library(tmp_path / "a", 3), library(tmp_path / "b", 2)
+    out, embedder = tmp_path / "out", recorder()
+    run(args_for(tmp_path / "a", out), embedder)
+    run(args_for(tmp_path / "b", out), embedder)
+    manifest = load_manifest(out / "cache")
+    assert set(manifest) == {str(p) for p in first + second}  # a's entries kept for its next run
+    first[0].unlink()  # deleted under the folder scanned next
+    second[0].unlink()  # and under a folder not scanned: gone all the same
+    run(args_for(tmp_path / "a", out), embedder)
+    assert set(load_manifest(out / "cache")) == {str(p) for p in first[1:] + second[1:]}
+
+
 def test_the_store_keeps_embeddings_per_model(tmp_path: Path) -> None:
     vectors = np.eye(3, 4, dtype=np.float32)
     store = EmbeddingStore(tmp_path, "ViT-B-32/openai", 4)

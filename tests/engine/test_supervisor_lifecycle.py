@@ -32,6 +32,13 @@ def _spawned(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
     return sorted(found, key=lambda p: p.create_time())
 
 
+def _gone(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _start(tiny_config: Path, log: Path, **env: str) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     cmd = [sys.executable, "-m", "clipserve", "--workers", "2", "--backend", "fake"]
@@ -94,8 +101,19 @@ def test_a_front_end_that_dies_with_the_engine_starts_once_the_new_engine_is_rea
         old = {p.pid for p in server.children()}
         engine.kill()
         front.kill()
-        server.wait_ready(120)
-        new_engine = server.engine()
+        until(lambda: _gone(engine) and _gone(front), 30, "the killed processes gone")
+
+        def replaced() -> psutil.Process | None:
+            # The surviving front end may answer ready until it sees the engine's channel
+            # close: wait for an engine that is not the old one, with both front ends ready.
+            server.wait_ready(120)
+            try:
+                found = server.engine()
+            except (ValueError, psutil.NoSuchProcess):  # none yet, or a front end not listening
+                return None
+            return found if found.pid not in old else None
+
+        new_engine = until(replaced, 150, "a new engine and both front ends ready")
         (new_front,) = [p for p in server.front_ends() if p.pid not in old]
         assert new_engine.pid not in old
         # A new engine takes seconds to load and warm; the front end came after it was ready.
@@ -123,3 +141,27 @@ def test_a_metrics_directory_of_the_users_own_is_emptied_at_the_stop(
     finally:
         server.stop()
     assert not list(metrics.glob("*.db"))
+
+
+@pytest.mark.slow  # a multi-process or long variant: CI runs it (make test-slow)
+def test_an_engine_that_dies_soon_after_its_load_is_restarted_with_backoff(
+    tiny_config: Path, tmp_path: Path
+) -> None:
+    """Young is counted from readiness, not from the spawn: an engine whose model took longer
+    to load than the 10 s of youth, dying soon after, was restarted at once, for ever."""
+    log = tmp_path / "server.log"
+    proc, port = _start(tiny_config, log)
+    server = Server(proc, port, log)
+    try:
+        (engine,) = until(lambda: _spawned(proc), 60, "the engine process", poll_s=0.005)
+        spawned = time.monotonic()  # (psutil's create_time is off by up to a second)
+        server.wait_ready()
+        # 10.3 s after its spawn, and so (its load took seconds) under 10 s after its ready.
+        wait_s = spawned + 10.3 - time.monotonic()
+        assert wait_s > 0, "the engine took over 10 s to be ready: this test needs it faster"
+        time.sleep(wait_s)
+        engine.kill()
+        until(lambda: "restarting it in" in log.read_text(), 30, "the restart logged")
+        assert "exited with -9; restarting it in 0.5 s" in log.read_text(), log.read_text()
+    finally:
+        server.stop()

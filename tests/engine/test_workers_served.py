@@ -109,7 +109,11 @@ class Server:
 
         def holder() -> int | None:  # None: accepted, but not yet by a process
             for front in self.front_ends():
-                for c in front.net_connections(kind="tcp"):
+                try:
+                    conns = front.net_connections(kind="tcp")
+                except psutil.NoSuchProcess:  # gone since it was listed
+                    continue
+                for c in conns:
                     if c.raddr and c.raddr.port == local and c.laddr.port == self.port:
                         return front.pid
             return None
