@@ -3,13 +3,14 @@ its request-response cycle): CPU per request and system calls per request, check
 side.
 
 One process per measurement serves a trivial ASGI app (reads the body, answers 6 KB with a
-content-length) on one end of a loopback TCP connection under uvloop; a thread of the same process
-sends 150 KB requests one after another on the other end. The loop thread's CPU per request is the
-protocol's, the app's few lines, and the kernel's share of the socket calls. The checkouts take
-turns, one process each per round (this machine's speed drifts by tens of percent within a
-minute: the per-round ratio is what is compared). Where strace is installed, one more run per
-checkout counts the server's writes and the client's reads per request; where valgrind is,
-callgrind counts the event loop thread's instructions per request. Neither drifts.
+content-length) on one end of a loopback TCP connection under uvloop; a thread of the same
+process sends 150 KB requests (--body-bytes) one after another on the other end. The loop
+thread's CPU per request is the protocol's, the app's few lines, and the kernel's share of the
+socket calls. The checkouts take turns, one process each per round (this machine's speed drifts
+by tens of percent within a minute: the per-round ratio is what is compared). Where strace is
+installed, one more run per checkout counts the server's writes and the client's reads per
+request; where valgrind is, callgrind counts the event loop thread's instructions per request.
+Neither drifts.
 
     python -m bench.http_cycle --tree before=/tmp/cs-before --tree after=. --rounds 16 \
         --out bench/results/http-cycle.json
@@ -32,7 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-BODY_BYTES = 150_528  # one 224x224x3 uint8 tensor
+BODY_ENV = "HTTP_CYCLE_BODY_BYTES"  # --body-bytes, to the measuring processes
+BODY_BYTES = int(os.environ.get(BODY_ENV, 150_528))  # default: one 224x224x3 uint8 tensor
 ANSWER = b"e" * 6000  # about a 512-float JSON embedding
 HEADERS = [
     (b"content-length", b"%d" % len(ANSWER)),
@@ -137,7 +139,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1500)
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # one measuring process
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--body-bytes", type=int, help="request body size (default 150,528)")
     a = parser.parse_args()
+    if a.body_bytes is not None:
+        global BODY_BYTES
+        BODY_BYTES = a.body_bytes
+        os.environ[BODY_ENV] = str(a.body_bytes)
     if a.serve:
         import uvloop
 

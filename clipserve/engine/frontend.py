@@ -47,7 +47,10 @@ def frontend_main(
         try:
             together.wait(FRONTEND_START_TIMEOUT_S)
         except threading.BrokenBarrierError:
-            log.warning("front end %d: the others did not start in time; starting alone", index)
+            log.warning(
+                "front end %d: another did not reach the start (slow, or exited); starting alone",
+                index,
+            )
     app = create_app(config, engine=(socket_path, card), buckets=buckets, front_end=(parent, index))
     ensure_fd_limit(config.http.max_connections)
     keep_body_pages(config.limits.max_body_bytes_in_flight, config.http.workers)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -25,7 +24,7 @@ from clipserve.config import ServerConfig
 from clipserve.engine.messages import ModelCard
 from clipserve.http.access import Access, AccessGuard, MeteredTower
 from clipserve.http.doors import DOORS
-from clipserve.http.fastlane import FastLane, Handler, is_inference
+from clipserve.http.fastlane import FastLane, Handler, InferenceRoutes
 from clipserve.http.observer import RequestObserver, request_tracing
 from clipserve.http.pipeline import Pipeline, Serving
 from clipserve.http.request import BodyBudget, ClientGone
@@ -228,10 +227,10 @@ def create_app(
     routes = [route for door in DOORS for route in door.routes()]
     app = _Served(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     # Innermost of ours: inference POSTs skip Starlette's own layers (http/fastlane.py).
-    app.add_middleware(FastLane, routes=routes, handlers=handlers)
+    inference = InferenceRoutes(routes)
+    app.add_middleware(FastLane, routes=inference, handlers=handlers)
     if access is not None:  # inside the observer: its answers get a request id and a count
-        inference = functools.partial(is_inference, routes)
-        app.add_middleware(AccessGuard, access=access, pages=pages, inference=inference)
+        app.add_middleware(AccessGuard, access=access, pages=pages, inference=inference.serves)
     tracing = request_tracing(config.http.otel_endpoint)
     app.add_middleware(RequestObserver, metrics=metrics, pages=pages, tracing=tracing)
     return app

@@ -88,6 +88,7 @@ class Cycle(RequestResponseCycle):
     rest: list[bytes | bytearray] | None
     size: int  # bytes received and not yet handed on: the flow control's measure
     held: _HeldHead | None
+    overtaken = False  # another request was parsed behind this one before its answer
 
     def adopt(self) -> None:
         """Made a `Cycle` after uvicorn built it (its __init__ has run): nothing received yet."""
@@ -141,8 +142,8 @@ class Cycle(RequestResponseCycle):
     async def send(self, message: ASGISendEvent) -> None:
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()  # uvicorn's own wait, before the check below
-        if self.transport.is_closing():  # its client is gone: uvicorn marks only the last
-            self.disconnected = True  # parsed cycle so, not one answering pipelined requests
+        if self.overtaken and self.transport.is_closing():  # its client is gone: uvicorn
+            self.disconnected = True  # marks only the last parsed cycle so
         held = self.held
         if held is None:
             if message["type"] == "http.response.start":

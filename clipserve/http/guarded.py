@@ -259,8 +259,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         upgrade = self.parser.should_upgrade()
         if upgrade:
             self._upgrade_left = self._upgrade_length()
+        previous = cast("Cycle | None", self.cycle)
         HttpToolsProtocol.on_headers_complete(self)
-        self.headers = []  # trailers (uvicorn appends them) must not join the request's headers
         cycle = self.cycle
         if type(cycle) is RequestResponseCycle:  # just built (not an upgrade's early return)
             cycle.__class__ = Cycle
@@ -269,8 +269,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             cast(Cycle, self.cycle).linger(self)
         elif self._draining:
             self.cycle.keep_alive = False  # the one request a draining server still takes
-        if self.pipeline and len(self.pipeline) > MAX_PIPELINED:
-            message = f"more than {MAX_PIPELINED} requests pipelined on one connection"
+        pipeline = self.pipeline
+        if pipeline and pipeline[0][0] is cycle and previous is not None:
+            # uvicorn marks only its latest cycle disconnected when the client goes: see
+            # Cycle.send for the ones parsed before it
+            previous.overtaken = True
+        if pipeline and len(pipeline) >= MAX_PIPELINED:  # with the one answering: 64
+            message = f"over {MAX_PIPELINED} requests pipelined on one connection"
             self._refuse(503, "overloaded", message, [(b"retry-after", b"1")])
             raise _StopParsing
 
@@ -302,6 +307,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_chunk_header(self) -> None:
         # Unused allowance does not carry over: tiny chunks would save it up for a trailer.
         self._framing = max(self._framing, -FRAMING_SLACK) - CHUNK_FRAMING
+        # Trailers follow the last chunk, and uvicorn appends them to the list its scope holds:
+        # a new one keeps them out of the request's headers.
+        self.headers = []
 
     def on_message_complete(self) -> None:
         self._framing = -(1 << 62)  # what follows in the packet is the next request's

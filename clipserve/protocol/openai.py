@@ -108,18 +108,21 @@ def _image_of(item: str, index: int, fetch_urls: bool) -> bytes | str | None:
         if fetch_urls:
             return item
         raise with_item_index(url_refused(), index)
-    head, sep, data = item.partition(",")
-    # A URI's head has no blank ("data: none", "Data: sales by region, 2023" are captions).
-    if head[:5].lower() == "data:" and len(head.split(maxsplit=1)) == 1:
-        if not sep:
-            raise InvalidImage(f"item {index}: data URI without a ',' before its data")
-        params = head[5:].split(";")
-        if not params[0].lower().startswith("image/"):
-            kind = params[0] or "(none)"
-            raise InvalidImage(f"item {index}: data URI of type {kind}; only image/* is embedded")
-        if "base64" not in (p.strip().lower() for p in params[1:]):
-            raise InvalidImage(f"item {index}: an image data URI must be base64 (';base64,')")
-        return _decode_b64(data, index)
+    if item[:5].lower() == "data:":  # else no scan of the text for a comma
+        head, sep, data = item.partition(",")
+        # A URI's head has no blank ("data: none", "Data: sales by region, 2023" are captions).
+        if len(head.split(maxsplit=1)) == 1:
+            if not sep:
+                raise InvalidImage(f"item {index}: data URI without a ',' before its data")
+            params = head[5:].split(";")
+            if not params[0].lower().startswith("image/"):
+                kind = params[0] or "(none)"
+                raise InvalidImage(
+                    f"item {index}: data URI of type {kind}; only image/* is embedded"
+                )
+            if "base64" not in (p.strip().lower() for p in params[1:]):
+                raise InvalidImage(f"item {index}: an image data URI must be base64 (';base64,')")
+            return _decode_b64(data, index)
     if item.startswith(IMAGE_B64_PREFIXES):
         return _decode_b64(item, index)
     return None

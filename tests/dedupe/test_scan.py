@@ -143,6 +143,8 @@ def test_a_file_replaced_with_its_mtime_put_back_is_read_again(tmp_path: Path) -
     second = moved.photos[0]
     picture(3).save(path, compress_level=0)  # in place: the same inode, new bytes
     put_back(second.mtime_ns)
+    if path.stat().st_ctime_ns == second.ctime_ns:  # a file system of coarse timestamps
+        pytest.skip("the rewrite kept its ctime: this file system's ticks are over 50 ms")
     rewritten = scan([path], known={second.path: second})
     assert rewritten.read == 1 and rewritten.photos[0].sha256 != second.sha256
 

@@ -51,7 +51,7 @@ team-b:{KEY_B2}:0.01:2
 
 team-c:{KEY_C}:0.01:3
 team-d:{KEY_D}:0.01:1
-team-e:{KEY_E}:0.5:3
+team-e:{KEY_E}:0.25:3
 team-f:{KEY_F}:0.01:3
 team-g:{KEY_G}:0.01:1
 {UNNAMED}
@@ -263,7 +263,7 @@ def test_every_item_counts_after_parsing(server: RunningServer) -> None:
 
 
 def test_a_client_that_waits_as_told_is_served(server: RunningServer) -> None:
-    url, key = server.url + "/embed/text", {"X-API-Key": KEY_E}  # 0.5 a second, burst 3
+    url, key = server.url + "/embed/text", {"X-API-Key": KEY_E}  # 0.25 a second, burst 3
     assert httpx.post(url, json=texts(2), headers=key).status_code == 200
     refused = httpx.post(url, json=texts(2), headers=key)  # one token left: refused once parsed
     assert refused.status_code == 429
