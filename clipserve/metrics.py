@@ -42,11 +42,13 @@ class _ScrapeTimeGauges(Collector):
     def __init__(
         self,
         queue_depth: Callable[[], Mapping[str, int]],
+        admitted: Callable[[], Mapping[str, int]],
         device_memory: Callable[[], Mapping[str, int]],
         workers_alive: Callable[[], Mapping[str, bool]],
         estimated_wait: Callable[[], float],
     ) -> None:
         self.queue_depth = queue_depth
+        self.admitted = admitted
         self.device_memory = device_memory
         self.workers_alive = workers_alive
         self.estimated_wait = estimated_wait
@@ -59,6 +61,15 @@ class _ScrapeTimeGauges(Collector):
         yield GaugeMetricFamily(
             "clipserve_text_queue_depth", "Texts queued, not yet computing", value=depth["text"]
         )
+        places = GaugeMetricFamily(
+            "clipserve_admitted_items",
+            "Items holding a place of --max-queue-size (503 when full): queued, or in requests"
+            " being read or looked up in the cache",
+            labels=["tower"],
+        )
+        for tower, n in self.admitted().items():
+            places.add_metric([tower], n)
+        yield places
         yield GaugeMetricFamily(
             "clipserve_estimated_wait_seconds",
             "Estimated time for one more image to be answered, from measured batch times",
@@ -163,6 +174,9 @@ class Metrics:
             ["tower"],
             registry=r,
         )
+        for tower in ("image", "text"):  # at 0 from the start: a sum of them is never empty
+            for counter in (self.cache_hits, self.cache_misses, self.cache_merged):
+                counter.labels(tower)
         self.cache_evictions = Counter(
             "clipserve_cache_evictions", "Entries evicted to stay within --cache-mb", registry=r
         )
@@ -245,12 +259,15 @@ class Metrics:
     def add_scrape_time_gauges(
         self,
         queue_depth: Callable[[], Mapping[str, int]],
+        admitted: Callable[[], Mapping[str, int]],
         device_memory: Callable[[], Mapping[str, int]],
         workers_alive: Callable[[], Mapping[str, bool]],
         estimated_wait: Callable[[], float],
     ) -> None:
-        """`queue_depth` maps each tower (image, text) to what it has queued."""
-        gauges = _ScrapeTimeGauges(queue_depth, device_memory, workers_alive, estimated_wait)
+        """`queue_depth` and `admitted` map each tower (image, text) to its items."""
+        gauges = _ScrapeTimeGauges(
+            queue_depth, admitted, device_memory, workers_alive, estimated_wait
+        )
         self._gauges.append(gauges)
         self.registry.register(gauges)
 

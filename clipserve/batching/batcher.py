@@ -109,6 +109,11 @@ class Batcher:
     def depth(self) -> int:
         return len(self.queue)
 
+    def admitted(self) -> int:
+        """Items holding a place of --max-queue-size: the queue's, and those of requests being
+        read or looked up in the cache (one place each), which the queue's depth leaves out."""
+        return self.admission.used
+
     def _drain(self, n: int) -> tuple[float, float, float]:
         """(seconds until the live workers are free, seconds to compute n images after that,
         seconds of one batch of the size they would run), from each worker's measured costs.

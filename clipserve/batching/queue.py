@@ -42,8 +42,8 @@ class Admission:
 
     def full(self, retry_after_s: int = 1) -> Overloaded:
         return Overloaded(
-            f"server queue is full ({self.used} of {self.capacity} {self.items} waiting); "
-            "retry later",
+            f"server queue is full ({self.used} of {self.capacity} {self.items} admitted, queued "
+            "or in requests being read); retry later",
             retry_after_s,
         )
 

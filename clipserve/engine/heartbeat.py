@@ -26,7 +26,7 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -219,6 +219,7 @@ AGE = "clipserve_heartbeat_age_seconds"
 AGE_HELP = "Seconds since the process last proved progress (--workers N; its start, before)"
 RESTARTS = "clipserve_restarts"
 RESTARTS_HELP = "Processes restarted by the supervisor: exited, or hung (missed its heartbeat)"
+CAUSES = ("exited", "hung")
 
 
 class LivenessMetrics:
@@ -228,10 +229,14 @@ class LivenessMetrics:
     not by pid: `prune_metrics` merges and removes dead children's files by their pid, and a
     new supervisor empties the directory at its start."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, processes: Sequence[str] = ()) -> None:
         self._ages = MmapedDict(str(directory / "gauge_max_supervisor.db"))  # type: ignore[no-untyped-call]
         self._counts = MmapedDict(str(directory / "counter_supervisor.db"))  # type: ignore[no-untyped-call]
         self._restarts: dict[tuple[str, str], float] = {}
+        # Every series at 0 from the start: `increase()` counts a first restart only from a 0.
+        for process in processes:
+            for cause in CAUSES:
+                self._write(process, cause, 0.0)
 
     def ages(self, ages: Mapping[str, float]) -> None:
         for process, age in ages.items():
@@ -239,7 +244,10 @@ class LivenessMetrics:
             self._ages.write_value(key, round(age, 3), 0.0)  # type: ignore[no-untyped-call]
 
     def restarted(self, process: str, cause: str) -> None:
-        count = self._restarts[process, cause] = self._restarts.get((process, cause), 0.0) + 1
+        self._write(process, cause, self._restarts.get((process, cause), 0.0) + 1)
+
+    def _write(self, process: str, cause: str, count: float) -> None:
+        self._restarts[process, cause] = count
         labels = ["process", "cause"]
         key = mmap_key(RESTARTS, RESTARTS + "_total", labels, [process, cause], RESTARTS_HELP)
         self._counts.write_value(key, count, 0.0)  # type: ignore[no-untyped-call]

@@ -61,6 +61,8 @@ class Status(TypedDict):
 
     towers: dict[TowerKind, list[WorkerRow]]
     depth: dict[TowerKind, int]  # items queued
+    # Items holding a queue place: queued, or in requests being read or looked up in the cache
+    admitted: dict[TowerKind, int]
     wait_s: float  # the image tower's estimated wait for one more image
     memory: dict[str, int]  # device -> bytes in use, where its executor knows
 

@@ -165,6 +165,7 @@ class EngineLink:
         self.status: Status = {
             "towers": {},
             "depth": {"image": 0, "text": 0},
+            "admitted": {"image": 0, "text": 0},
             "wait_s": 0.0,
             "memory": {},
         }

@@ -257,7 +257,9 @@ class Supervisor:
     def _monitor(self) -> None:
         """Every 0.2 s at most: restart what exited, kill what is hung (`_watch`), follow a
         restarting engine to readiness; front ends are restarted once the engine is ready."""
-        self._liveness = LivenessMetrics(self.metrics) if self.metrics is not None else None
+        if self.metrics is not None:
+            labels = [c.label for c in (self.engine, *self.front) if c is not None]
+            self._liveness = LivenessMetrics(self.metrics, labels)
         try:
             while not self.stopping:
                 children = [c for c in (self.engine, *self.front) if c is not None]

@@ -73,6 +73,7 @@ class Towers:
         return {
             "towers": {"image": _rows(self.image), "text": _rows(self.text)},
             "depth": {"image": self.image.depth(), "text": self.text.depth()},
+            "admitted": {"image": self.image.admitted(), "text": self.text.admitted()},
             "wait_s": self.image.estimated_wait_s(1),
             "memory": {
                 ex.info.device: used
@@ -106,6 +107,7 @@ def add_status_gauges(metrics: Metrics, status: Callable[[], Status]) -> None:
     metrics.add_scrape_time_gauges(
         # Metrics takes Mapping[str, int], invariant in its key type: a copy with str keys.
         lambda: {kind: n for kind, n in status()["depth"].items()},
+        lambda: {kind: n for kind, n in status()["admitted"].items()},
         lambda: status()["memory"],
         lambda: _alive(status()),
         lambda: status()["wait_s"],

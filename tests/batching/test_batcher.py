@@ -131,6 +131,16 @@ def test_queue_delay_waits_for_images_still_decoding_but_not_past_the_delay() ->
     run(test, delay_ms=200)
 
 
+def test_admitted_counts_places_held_outside_the_queue_too() -> None:
+    async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
+        reading = batcher.admit(2)  # a request being read or looked up: no item queued yet
+        assert (batcher.admitted(), batcher.depth()) == (2, 0)
+        reading.release_all()
+        assert batcher.admitted() == 0
+
+    run(test)
+
+
 def test_queue_delay_never_holds_a_lone_request() -> None:
     async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
         loop = asyncio.get_running_loop()
@@ -461,7 +471,7 @@ def test_a_full_queue_names_what_it_holds(kind: TowerKind, items: str) -> None:
         batcher.start()
         try:
             batcher.admit(2)
-            with pytest.raises(Overloaded, match=rf"\(2 of 2 {items} waiting\)"):
+            with pytest.raises(Overloaded, match=rf"\(2 of 2 {items} admitted, "):
                 batcher.admit(1)
         finally:
             await batcher.stop()

@@ -136,7 +136,7 @@ async def _embed_one(batcher: Batcher) -> None:
 
 
 def test_the_supervisors_metrics_read_as_any_process_s(tmp_path: Path) -> None:
-    metrics = LivenessMetrics(tmp_path)
+    metrics = LivenessMetrics(tmp_path, ["engine", "frontend-0", "frontend-1"])
     metrics.ages({"engine": 0.25, "frontend-0": 1.5})
     metrics.restarted("engine", "hung")
     metrics.restarted("engine", "hung")
@@ -150,6 +150,9 @@ def test_the_supervisors_metrics_read_as_any_process_s(tmp_path: Path) -> None:
     assert 'clipserve_heartbeat_age_seconds{process="frontend-0"} 1.5' in text
     assert 'clipserve_restarts_total{cause="hung",process="engine"} 2.0' in text
     assert 'clipserve_restarts_total{cause="exited",process="frontend-1"} 1.0' in text
+    # Series never restarted read 0 (increase() counts a first restart from there).
+    assert 'clipserve_restarts_total{cause="exited",process="frontend-0"} 0.0' in text
+    assert 'clipserve_restarts_total{cause="hung",process="frontend-1"} 0.0' in text
     assert "pid=" not in text
 
 

@@ -30,6 +30,8 @@ def counter(server: RunningServer, name: str, tower: str = "image") -> float:
 
 def test_a_repeated_image_is_computed_once_and_answered_bit_for_bit(serve: Serve) -> None:
     server = serve(backend="fake", cache_mb=16)
+    for name in ("hits", "misses", "merged"):  # at 0 before any: a sum of them is never empty
+        assert metric(server, f'clipserve_cache_{name}_total{{tower="text"}}') == 0
     image = marked_png(11)
     first, second = post(server, image), post(server, image)
     assert first.status_code == second.status_code == 200

@@ -139,6 +139,8 @@ def test_bodies_are_parsed_only_once_admitted(serve: Serve) -> None:
         await until_async(lambda: bool(executor.attempts))
         fill = asyncio.create_task(four())
         await until_async(lambda: metric(server, gauge) == 4)
+        tower = "text" if "text" in gauge else "image"  # the queued items hold their places
+        assert metric(server, f'clipserve_admitted_items{{tower="{tower}"}}') == 4
         refused = [await b() for b in bad]
         return [r.status_code for r in await asyncio.gather(first, fill)], refused
 
