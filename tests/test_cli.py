@@ -104,6 +104,17 @@ def test_checkpoint_of_another_architecture_fails_with_one_line(
     assert "does not fit --model" in line
 
 
+def test_a_config_open_clip_cannot_build_blames_the_model_not_the_weights(
+    tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken-clip.json"
+    broken.write_text(tiny_config.read_text().replace("{", '{"no_such_field": 1, ', 1))
+    line = one_line_error(
+        run_clipserve("--model", str(broken), "--checkpoint", str(tiny_checkpoint))
+    )
+    assert f"--model {broken}: could not build" in line and "--pretrained" not in line
+
+
 def test_unfetchable_pretrained_weights_fail_with_one_line(tiny_config: Path) -> None:
     line = one_line_error(run_clipserve("--model", "ViT-B-32", "--pretrained", "laion2b_s34b_b79k"))
     assert "--checkpoint" in line and "--pretrained none" in line

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,36 @@ from clipserve.inference.preprocess import PreprocessSpec
 
 log = logging.getLogger(__name__)
 TOKENIZER_CACHE_ENTRIES = 50_000
+# open_clip's BPE (pure Python) is quadratic in a word's length: a 1000-letter "word" took
+# ~40 ms, and a request of 64 such texts held the text tower for seconds. Longer runs of
+# letters are cut into pieces this long (real words, and CJK runs between punctuation, are
+# shorter; the tokens of such a run reach past the context anyway).
+LONGEST_WORD = 64
+# Words the BPE cache keeps: at most this long, byte-encoded (a CJK character is 3), so its
+# memory is bounded by its entries whatever words clients invent (1000-character ones took
+# ~17 KB an entry).
+CACHED_WORD = 48
+_LONG_RUN = re.compile(rf"[^\W\d_]{{{LONGEST_WORD + 1},}}")  # letters: \w less digits and _
+
+
+def cut_long_words(text: str) -> str:
+    """`text` with every run of letters over LONGEST_WORD split by blanks into pieces."""
+    if len(text) <= LONGEST_WORD:
+        return text
+    return _LONG_RUN.sub(_pieces, text)
+
+
+def _pieces(run: re.Match[str]) -> str:
+    word = run[0]
+    return " ".join(word[i : i + LONGEST_WORD] for i in range(0, len(word), LONGEST_WORD))
+
+
+class _ShortWords(dict[str, str]):
+    """open_clip's BPE cache, keeping short words only (its lookups stay dict's own)."""
+
+    def __setitem__(self, word: str, tokens: str) -> None:
+        if len(word) <= CACHED_WORD:
+            super().__setitem__(word, tokens)
 
 
 @dataclass
@@ -76,15 +107,19 @@ class LoadedModel:
     def _tokenize(self, texts: list[str], context_length: int) -> np.ndarray:
         # open_clip's BPE cache keeps every distinct word it has seen (150-220 bytes each, so
         # ~10 MiB at the cap: bench/soak.py's tracemalloc run): a stream of random words would
-        # grow it without bound, so it starts over past a fixed size.
+        # grow it without bound, so it starts over past a fixed size, and keeps short words.
         # The lock costs no parallelism (the tokenizer is pure Python, holding the GIL) and
         # keeps a clear from racing another thread's cache lookup.
         with self._tokenizer_lock:
             cache = getattr(self.tokenizer, "cache", None)
-            if isinstance(cache, dict) and len(cache) > TOKENIZER_CACHE_ENTRIES:
-                specials = {k: v for k, v in cache.items() if k == v}  # <start_of_text>, ...
-                cache.clear()
-                cache.update(specials)
+            if isinstance(cache, dict):  # the BPE tokenizer (HF's are not Python, nor cached)
+                if type(cache) is dict:
+                    self.tokenizer.cache = cache = _ShortWords(cache)
+                if len(cache) > TOKENIZER_CACHE_ENTRIES:
+                    specials = {k: v for k, v in cache.items() if k == v}  # <start_of_text>
+                    cache.clear()
+                    cache.update(specials)
+                texts = [cut_long_words(text) for text in texts]
             tokens = self.tokenizer(texts, context_length=context_length)
         ids: np.ndarray = tokens.numpy().astype(np.int64, copy=False)
         return ids
@@ -143,6 +178,10 @@ def load_model(config: ModelConfig) -> LoadedModel:
         module = open_clip.create_model(name, pretrained=pretrained)
     except Exception as e:  # unknown tag, hub unreachable, partial download, ...
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        if pretrained is None:  # no weights asked for: the model itself could not be built
+            raise StartupError(
+                f"--model {config.model}: could not build {name} ({reason})"
+            ) from None
         raise StartupError(
             f"--pretrained {config.pretrained}: could not load weights for {name} ({reason}); "
             "pass --checkpoint PATH with local weights, or --pretrained none for random weights"
