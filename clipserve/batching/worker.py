@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from clipserve.backends.base import Executor, as_async, launches_pixels, takes_pixels
+from clipserve.backends.base import (
+    AsyncExecutor,
+    AsyncPixelExecutor,
+    Executor,
+    PixelExecutor,
+    as_async,
+    launches_pixels,
+    takes_pixels,
+)
 from clipserve.backends.device import select_device
 from clipserve.batching.compute import (
     LOST,
@@ -47,6 +55,22 @@ if TYPE_CHECKING:  # imports torch: only with --decode gpu
     from clipserve.inference.gpu_decode import BatchDecoder, DecodedBatch
 
 log = logging.getLogger(__name__)
+
+
+def feeding(
+    executor: Executor, pipeline_depth: int, decoder_device: str | None
+) -> tuple[AsyncExecutor | None, PixelExecutor | None, AsyncPixelExecutor | None]:
+    """How a worker feeds `executor` (the startup self-check feeds its canaries the same way):
+    its asynchronous side where batches are pipelined (None: `run`), and with GPU decode on
+    `decoder_device` the side that takes its crops there and that side's `launch_pixels`
+    (None: the crops come through the host)."""
+    asynchronous = as_async(executor) if pipeline_depth > 1 else None
+    # An executor on the decoder's device takes its crops as they are: no host round trip.
+    pixels = takes_pixels(executor, decoder_device) if decoder_device else None
+    launching = launches_pixels(pixels) if pixels else None
+    if asynchronous is not None and launching is None:
+        pixels = None  # it launches host arrays only: crops come through the host
+    return asynchronous, pixels, launching
 
 
 @dataclass(eq=False)
@@ -103,13 +127,10 @@ class DeviceWorker:
         self.metrics = metrics
         self.on_death = on_death
         self.cost = CostModel()  # device time per batch, learned from this worker's clean batches
-        self.asynchronous = as_async(executor) if pipeline_depth > 1 else None
+        self.asynchronous, self.pixels, self.launches_pixels = feeding(
+            executor, pipeline_depth, str(decoder.device) if decoder else None
+        )
         self.depth = pipeline_depth if self.asynchronous is not None else 1
-        # An executor on the decoder's device takes its crops as they are: no host round trip.
-        self.pixels = takes_pixels(executor, str(decoder.device)) if decoder else None
-        self.launches_pixels = launches_pixels(self.pixels) if self.pixels else None
-        if self.asynchronous is not None and self.launches_pixels is None:
-            self.pixels = None  # it launches host arrays only: crops come through the host
         self._inflight: deque[_Batch] = deque()  # taken, not yet answered, in launch order
         self._last_done = 0.0  # time.perf_counter() when the device last finished a batch
         # The executor is only ever called from one thread: the runtime's thread that built it,

@@ -9,6 +9,7 @@ import io
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -113,6 +114,14 @@ def embed(server: Served) -> tuple[int, dict[str, str], bytes, int]:
         return response.status, headers, response.read(), pid
 
 
+def budget_table(served: Served) -> list[tuple[int, int]]:
+    """(pid, bytes held) of each front end's slot in the shared body budget."""
+    from clipserve.http.body_budget import budget_path
+
+    data = budget_path(served.proc.pid).read_bytes()
+    return [struct.unpack_from("<qq", data, 16 * i) for i in range(FRONT_ENDS)]
+
+
 def stall(sock: socket.socket) -> None:
     head = b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
     sock.sendall(head + b"Content-Length: %d\r\n\r\n" % BUDGET + b"\0" * STALL)
@@ -179,7 +188,12 @@ def test_budget_comes_back_when_stalled_bodies_end(served: Served) -> None:
     try:
         for sock in socks:
             stall(sock)
-        until(lambda: embed(served)[0] == 503, 30, "the budget full", poll_s=0.05)
+        try:
+            until(lambda: embed(served)[0] == 503, 30, "the budget full", poll_s=0.05)
+        except AssertionError as e:  # what each front end holds, and what its log says
+            raise AssertionError(
+                f"{e}: {budget_table(served)}\n{served.log.read_text()[-4000:]}"
+            ) from None
     finally:
         for sock in socks:
             sock.close()
