@@ -11,8 +11,9 @@ and a GPU backend that did not get its provider refuses to start. Providers that
 installed are never requested (ONNX Runtime would only warn), so the refusal is one clear error.
 
 TensorRT engines are cached per TensorRT version, GPU compute capability, precision and shape
-profile (`trt_cache_key`): ONNX Runtime names engine files by graph, so two configurations
-sharing one directory would load or overwrite each other's engines.
+profile (`TrtCache`): ONNX Runtime names engine files by graph, so two configurations
+sharing one directory would load or overwrite each other's engines. ONNX Runtime also writes
+them in place: `with_engine_cache` builds into a staging folder, under a lock, then renames it.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import ctypes.util
 import importlib.metadata
 import importlib.util
 import logging
+import re
+import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -43,10 +46,13 @@ from clipserve.backends.onnx_export import (
     OUTPUT,
     PIXELS,
     ExportedModel,
-    cached_export,
+    build_once,
+    folder_lock,
     import_onnxruntime,
     onnxruntime_warnings_logged,
+    open_cached_export,
     session_options,
+    unwritable,
 )
 from clipserve.config import resolve_workers
 from clipserve.errors import StartupError
@@ -57,6 +63,7 @@ if TYPE_CHECKING:
     from clipserve.inference.model import LoadedModel
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CPU, CUDA, TRT = "CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecutionProvider"
 PROVIDER = {"ort-cpu": CPU, "ort-cuda": CUDA, "ort-trt": TRT}
@@ -72,6 +79,8 @@ SUPPORTED_PRECISIONS = {
     "ort-trt": ("fp16", "fp32"),
 }
 TRT_WORKSPACE_BYTES = 4 << 30
+# How ONNX Runtime's TensorRT EP says a cached engine or timing cache cannot be read.
+TRT_CACHE_ERROR = re.compile(r"could not (deserialize engine from cache|create timing cache)")
 # pip distributions that carry TensorRT, newest naming first (their version is TensorRT's).
 TRT_DISTRIBUTIONS = (
     "tensorrt-cu13-libs",
@@ -192,6 +201,42 @@ def trt_provider_options(device: str, cache: TrtCache, root: Path) -> dict[str, 
     }
 
 
+def broken_trt_cache(error: BaseException, engines: Path, timing: Path) -> Path | None:
+    """The cache folder a session-creation error says ONNX Runtime could not read, if any."""
+    found = TRT_CACHE_ERROR.search(str(error))
+    if found is None:
+        return None
+    return timing if "timing" in found.group(1) else engines
+
+
+def with_engine_cache(engines: Path, timing: Path, build: Callable[[Path], T]) -> T:
+    """`build(folder)`: the session, warmed up, with its TensorRT engines cached in `folder`
+    (`build_once`: ONNX Runtime writes engine files in place, so a kill mid-build would leave
+    half an engine, loaded at every start). A cache that ONNX Runtime cannot read is removed
+    and built once more."""
+    what = "TensorRT engine"
+
+    def attempt() -> T:
+        try:
+            timing.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise unwritable(timing.parent, what, e) from None
+        return build_once(engines, what, build)
+
+    try:
+        return attempt()
+    except StartupError:
+        raise
+    except Exception as e:
+        broken = broken_trt_cache(e, engines, timing)
+        if broken is None:
+            raise
+        log.warning("TensorRT cache %s cannot be read (%s); building it again", broken, e)
+        with folder_lock(engines, what):
+            shutil.rmtree(broken, ignore_errors=True)
+    return attempt()
+
+
 def providers_for(
     backend: str, device: str, trt: dict[str, str] | None = None
 ) -> list[tuple[str, dict[str, str]]]:
@@ -263,6 +308,11 @@ class OrtExecutor:
         self.on_cuda = is_cuda(device)
         self.device_type = "cuda" if self.on_cuda else "cpu"  # as ONNX Runtime names it
         self.device_id = device_id(device)
+        self.float_dtype = np.float16 if exported.precision == "fp16" else np.float32
+        self.max_batch = max_batch_size
+        self.info = ExecutorInfo(backend, device, precision, self.spec.size, model.embed_dim)
+        # GPU decode's crops on this device are bound as they are (`run_pixels`).
+        self.pixel_device = indexed_torch_device(device)
         trt: dict[str, str] | None = None
         if backend == "ort-trt":
             cache = TrtCache(
@@ -272,9 +322,8 @@ class OrtExecutor:
                 size=self.spec.size,
                 profile=trt_profile(max_batch_size),
             )
-            trt = trt_provider_options(device, cache, exported.directory / "trt")
-            for key in ("trt_engine_cache_path", "trt_timing_cache_path"):
-                Path(trt[key]).mkdir(parents=True, exist_ok=True)
+            root = exported.directory / "trt"
+            trt = trt_provider_options(device, cache, root)
             log.info("TensorRT engines for %s: %s", device, trt["trt_engine_cache_path"])
         # Only installed providers are requested: ONNX Runtime merely warns about the others.
         installed = ort.get_available_providers()
@@ -288,27 +337,35 @@ class OrtExecutor:
             options.enable_profiling = True
             options.profile_file_prefix = str(exported.directory / f"profile-{backend}")
         t0 = time.perf_counter()
-        self.image = ort.InferenceSession(str(exported.image), options, providers=providers)
-        check_providers(backend, device, self.image.get_providers(), installed=False)
-        # The normalisation prefix is tiny: CUDA (or CPU) is enough, TensorRT would add a build.
-        prefix_providers = [p for p in providers if p[0] != TRT]
-        self.normalize = ort.InferenceSession(
-            str(exported.normalize), options, providers=prefix_providers
-        )
+        if trt is None:
+            self._open(exported, options, providers)
+        else:
+            h, w = self.spec.size
+            trt_options = trt
+
+            def build(engines: Path) -> None:
+                # The session builds (or loads) the engine; one run proves it before it is kept.
+                with_engines = {**trt_options, "trt_engine_cache_path": str(engines)}
+                self._open(exported, options, [(TRT, with_engines), *providers[1:]])
+                self.run(np.zeros((max_batch_size, h, w, 3), dtype=np.uint8))
+
+            with_engine_cache(cache.engine_dir(root), cache.timing_dir(root), build)
         took, got = time.perf_counter() - t0, ", ".join(self.image.get_providers())
         log.info("%s session on %s ready in %.1f s (providers: %s)", backend, device, took, got)
-        self.float_dtype = np.float16 if exported.precision == "fp16" else np.float32
-        h, w = self.spec.size
-        self.max_batch = max_batch_size
-        self._x = ort.OrtValue.ortvalue_from_shape_and_type(
-            (max_batch_size, 3, h, w), self.float_dtype, self.device_type, self.device_id
+
+    def _open(self, exported: ExportedModel, options: Any, providers: list[Any]) -> None:
+        """Both sessions, then the buffers they are bound to."""
+        self.image = self.ort.InferenceSession(str(exported.image), options, providers=providers)
+        check_providers(self.backend, self.device, self.image.get_providers(), installed=False)
+        # The normalisation prefix is tiny: CUDA (or CPU) is enough, TensorRT would add a build.
+        prefix_providers = [p for p in providers if p[0] != TRT]
+        self.normalize = self.ort.InferenceSession(
+            str(exported.normalize), options, providers=prefix_providers
         )
-        self._y = ort.OrtValue.ortvalue_from_shape_and_type(
-            (max_batch_size, model.embed_dim), self.float_dtype, self.device_type, self.device_id
-        )
-        self.info = ExecutorInfo(backend, device, precision, self.spec.size, model.embed_dim)
-        # GPU decode's crops on this device are bound as they are (`run_pixels`).
-        self.pixel_device = indexed_torch_device(device)
+        (h, w), n = self.spec.size, self.max_batch
+        where = (self.float_dtype, self.device_type, self.device_id)
+        self._x = self.ort.OrtValue.ortvalue_from_shape_and_type((n, 3, h, w), *where)
+        self._y = self.ort.OrtValue.ortvalue_from_shape_and_type((n, self.info.embed_dim), *where)
 
     def _bind(self, binding: Any, name: str, value: Any, shape: tuple[int, ...], out: bool) -> None:
         bind = binding.bind_output if out else binding.bind_input
@@ -374,10 +431,7 @@ class OrtExecutor:
 
     def warmup(self, batch_sizes: Sequence[int]) -> None:
         h, w = self.spec.size
-        t0 = time.perf_counter()
         self.run(np.zeros((max(batch_sizes), h, w, 3), dtype=np.uint8))
-        if self.backend == "ort-trt":  # the engine is built (or loaded from cache) on first run
-            log.info("TensorRT engine ready in %.1f s", time.perf_counter() - t0)
         for n in batch_sizes:
             self.run(np.zeros((n, h, w, 3), dtype=np.uint8))
 
@@ -410,6 +464,8 @@ def create(
         )
     if backend != "ort-cpu" and not is_cuda(device):
         raise StartupError(f"--backend {backend} needs a CUDA device; --gpus resolved to {device}")
+    if backend == "ort-cpu" and not is_cpu(device):  # its buffers would be on the GPU
+        raise StartupError(f"--backend ort-cpu serves on the CPU: pass --gpus cpu, not {device}")
     try:
         ort = import_onnxruntime()
     except ImportError as e:
@@ -420,15 +476,18 @@ def create(
     check_providers(backend, device, ort.get_available_providers(), installed=True)
     # TensorRT takes the FP32 graph and builds FP16 kernels itself (trt_fp16_enable).
     graph_precision = "fp32" if backend == "ort-trt" else precision
-    exported = cached_export(model, spec.cache_dir, graph_precision)
     threads = resolve_workers(spec.threads) if is_cpu(device) else 1
-    return OrtExecutor(
-        exported,
-        model,
-        backend,
-        device,
-        precision,
-        threads=threads,
-        max_batch_size=spec.max_batch_size,
-        enable_profiling=profiling,
-    )
+
+    def open_(exported: ExportedModel) -> OrtExecutor:
+        return OrtExecutor(
+            exported,
+            model,
+            backend,
+            device,
+            precision,
+            threads=threads,
+            max_batch_size=spec.max_batch_size,
+            enable_profiling=profiling,
+        )
+
+    return open_cached_export(model, spec.cache_dir, graph_precision, open_)

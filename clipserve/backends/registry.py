@@ -43,6 +43,7 @@ class BackendEntry:
     load: Callable[[], Implementation]  # imports the backend's module; may raise ImportError
     extra: str | None  # the pip extra that provides its dependencies
     gpu_only: bool = False
+    cpu_only: bool = False  # `--gpus auto` gives it the CPU, even on a GPU host
     simulated: bool = False  # runs on simulated devices; needs no hardware
 
 
@@ -73,7 +74,7 @@ def _fake() -> Implementation:
 BACKENDS: dict[str, BackendEntry] = {
     "torch": BackendEntry(_torch, None),
     "cuda-graphs": BackendEntry(_cuda_graphs, None, gpu_only=True),
-    "ort-cpu": BackendEntry(_ort, None),
+    "ort-cpu": BackendEntry(_ort, None, cpu_only=True),
     "ort-cuda": BackendEntry(_ort, "cuda", gpu_only=True),
     "ort-trt": BackendEntry(_ort, "tensorrt", gpu_only=True),
     "fake": BackendEntry(_fake, None, simulated=True),
@@ -105,7 +106,7 @@ def resolve_devices(gpus: str, backend: str) -> list[str]:
     """Device names for `--gpus`: 'cpu', 'cuda:N', or 'sim:N' for simulated backends."""
     spec = gpus.replace(" ", "")
     simulated = backend in BACKENDS and BACKENDS[backend].simulated
-    if spec == "cpu":
+    if spec == "cpu" or (spec == "auto" and backend in BACKENDS and BACKENDS[backend].cpu_only):
         return [CPU]
     if spec == "auto":
         if simulated or cuda_device_count():

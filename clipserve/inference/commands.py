@@ -16,7 +16,7 @@ from clipserve.config import ServerConfig
 
 def export_main(config: ServerConfig, output: Path | None) -> int:
     """Export the image tower (dynamic batch, opset 18), check it, compare it with PyTorch."""
-    from clipserve.backends.onnx_export import cached_export, export
+    from clipserve.backends.onnx_export import cached_export, export, meta_path
     from clipserve.inference.model import load_model
 
     model = load_model(config.model)
@@ -25,7 +25,7 @@ def export_main(config: ServerConfig, output: Path | None) -> int:
         exported = cached_export(model, Path(config.model.cache_dir), precision)
     else:
         exported = export(model, output, precision)
-    meta = json.loads((exported.directory / "meta.json").read_text())
+    meta = json.loads(meta_path(exported.directory, precision).read_text())
     print(f"model      {model.identity} ({precision})")
     print(f"image      {exported.image}")
     print(f"normalize  {exported.normalize}")

@@ -12,7 +12,7 @@ import torch
 
 from clipserve.backends import cuda_graphs, ort
 from clipserve.backends.base import Executor, ExecutorSpec, normalise_numpy, warmup_sizes
-from clipserve.backends.onnx_export import cached_export
+from clipserve.backends.onnx_export import cached_export, meta_path
 from clipserve.backends.registry import BACKENDS, backend_candidates, create_executor
 from clipserve.errors import StartupError
 from clipserve.inference.commands import summarise_profile
@@ -89,7 +89,7 @@ def test_export_is_cached_by_weights_and_reused(
     tiny_loaded: Any, config_for: Any, tmp_path: Path
 ) -> None:
     first = cached_export(tiny_loaded, tmp_path, "fp32")
-    meta = json.loads((first.directory / "meta.json").read_text())
+    meta = json.loads(meta_path(first.directory, "fp32").read_text())
     assert meta["min_cosine_vs_torch"] >= FP32_MIN_COSINE
     assert meta["versions"]["onnxruntime"] and meta["versions"]["torch"]
     mtime = first.image.stat().st_mtime_ns
@@ -102,10 +102,8 @@ def test_export_is_cached_by_weights_and_reused(
 
 def test_fp16_export_stays_within_fp16_tolerance(tiny_loaded: Any, tmp_path: Path) -> None:
     exported = cached_export(tiny_loaded, tmp_path, "fp16")
-    assert json.loads((exported.directory / "meta.json").read_text())["precision"] == "fp16"
-    assert json.loads((exported.directory / "meta.json").read_text())["min_cosine_vs_torch"] >= (
-        FP16_MIN_COSINE
-    )
+    meta = json.loads(meta_path(exported.directory, "fp16").read_text())
+    assert meta["precision"] == "fp16" and meta["min_cosine_vs_torch"] >= FP16_MIN_COSINE
 
 
 @pytest.mark.parametrize("name", ["ort-cuda", "ort-trt"])
@@ -119,6 +117,8 @@ def test_gpu_provider_that_cannot_load_is_refused(
     exported = cached_export(tiny_loaded, tmp_path, "fp32")
     with pytest.raises(StartupError, match=r"could not use \w+ExecutionProvider.*clipserve\["):
         ort.OrtExecutor(exported, tiny_loaded, name, "cuda:0", "fp16", max_batch_size=4, threads=1)
+    # A failed TensorRT build keeps no engine folder, complete or not (a .lock file may stay).
+    assert [p.name for p in (exported.directory / "trt").glob("*-fp16-b*") if p.is_dir()] == []
 
 
 @pytest.mark.parametrize("name", ["ort-cuda", "ort-trt", "cuda-graphs"])
