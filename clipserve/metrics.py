@@ -28,7 +28,9 @@ from clipserve.deferred_metrics import DeferredUpdates, FlushFirst
 if TYPE_CHECKING:  # clipserve.batching imports this module
     from clipserve.batching.tower import TowerKind
 
-STAGES = ("receive", "decode", "queue", "compute", "encode")
+# The `stage` values of clipserve_stage_duration_seconds, in the order they run (fetch: image
+# URLs, --allow-url-fetch). Documentation only: each is named where http/pipeline.py times it.
+STAGES = ("receive", "decode", "fetch", "cache", "queue", "compute", "encode")
 # Seconds, from half a millisecond to the default request timeout; exact decimals (ms / 1000),
 # so the `le` labels read as written.
 _LATENCY_MS = (0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000)

@@ -5,7 +5,8 @@ Closed loop: `concurrency` clients send back to back. Open loop: requests are sc
 counts from the request's *intended* send time, so a server that stalls is charged for every
 request it kept waiting (no coordinated omission). Requests intended during `warmup_s` are not
 recorded. The window closes on time: requests still in flight then are counted as unfinished,
-recorded at their age so far (a lower bound), and cancelled, never waited on.
+recorded at their age so far (a lower bound), and cancelled, never waited on. Percentiles are
+of OK answers (and unfinished requests); error answers have a histogram of their own.
 
 Built on aiohttp (with uvloop where installed): an httpx client at concurrency 32 measures
 itself rather than the server.
@@ -98,6 +99,7 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
 
 
 Progress = Callable[[float, str, Tally, int], None]
+Hook = Callable[[], Coroutine[Any, Any, None]]
 
 
 class _Run:
@@ -116,7 +118,10 @@ class _Run:
         self.issued = 0  # measured requests issued
         self.stopping = False
 
-    def _record(self, seconds: float) -> None:
+    def _record(self, seconds: float, ok: bool = True) -> None:
+        if not ok:
+            self.tally.error_latency.record(seconds)
+            return
         self.tally.latency.record(seconds)
         if self.tally.raw is not None:
             self.tally.raw.append(seconds)
@@ -168,7 +173,7 @@ class _Run:
                 t.unfinished_max_s = max(t.unfinished_max_s, self.measure_end - intended)
                 self._record(self.measure_end - intended)
             return
-        self._record(done - intended)
+        self._record(done - intended, ok=status == "200")
         t.completed_s += done - intended
         t.statuses[status] += 1
         t.bytes_sent += len(req.body)
@@ -231,7 +236,9 @@ class _Run:
                 self._record(end - intended)
         self.inflight.clear()
 
-    async def run(self, start_at: float | None, progress: Progress | None) -> Tally:
+    async def run(
+        self, start_at: float | None, progress: Progress | None, on_measure: Hook | None
+    ) -> Tally:
         spec = self.spec
         limit = spec.connections or (spec.concurrency or 1000)
         connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit)
@@ -239,6 +246,8 @@ class _Run:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             if start_at is not None:  # several client processes start together
                 await asyncio.sleep(max(0.0, start_at - time.time()))
+            if on_measure is not None and not spec.warmup_s:
+                await on_measure()  # before the first request
             start = time.perf_counter()
             self.measure_start = start + spec.warmup_s
             if spec.requests is None:
@@ -256,6 +265,8 @@ class _Run:
             if spec.warmup_s:
                 await asyncio.sleep(spec.warmup_s)
                 cpu0 = time.process_time()
+                if on_measure is not None:
+                    await on_measure()  # the load goes on meanwhile: the window has begun
             if spec.requests is None:
                 await asyncio.sleep(max(0.0, self.measure_end - time.perf_counter()))
                 end = time.perf_counter()
@@ -286,9 +297,11 @@ async def run_load(
     *,
     start_at: float | None = None,
     progress: Progress | None = None,
+    on_measure: Hook | None = None,
 ) -> Tally:
-    """Drive one load point from this process; `start_at` is a `time.time()` to begin at."""
-    return await _Run(url, requests, spec).run(start_at, progress)
+    """Drive one load point from this process; `start_at` is a `time.time()` to begin at;
+    `on_measure` is awaited as the measured window opens (after the warm-up)."""
+    return await _Run(url, requests, spec).run(start_at, progress, on_measure)
 
 
 def progress_printer(label: str, spec: LoadSpec, stream: TextIO | None = None) -> Progress:

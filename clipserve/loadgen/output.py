@@ -69,8 +69,9 @@ def _cell(v: object) -> str:
 
 
 def table(results: Sequence[PointResult], markdown: bool = False) -> str:
-    """Latencies in ms; `batch` is the server's mean batch size, `batched` the share of images
-    that shared a forward pass, `queue`/`compute` the server's mean ms per request."""
+    """Latencies in ms, of OK answers; `batch` is the server's mean batch size, `batched` the
+    share of images that shared a forward pass, `queue`/`compute` the server's mean ms per
+    request answered 200 (0 for a request that skipped the stage: a cache hit)."""
     rows = [[_cell(v) for v in row(r).values()] for r in results]
     cols = [c for i, c in enumerate(COLUMNS) if any(rw[i] != "-" for rw in rows)] or list(COLUMNS)
     keep = [COLUMNS.index(c) for c in cols]
@@ -85,14 +86,26 @@ def table(results: Sequence[PointResult], markdown: bool = False) -> str:
 
 
 def details(r: PointResult) -> str:
-    """Per point: errors with a sample, stage breakdown, warnings."""
+    """Per point: errors with a sample and their latencies, stage breakdown, warnings."""
     lines = []
     for status, sample in r.error_samples.items():
         lines.append(f"  {r.load}: {r.statuses.get(status, 0)} x {status}: {sample[:160]!r}")
-    stages = (r.server or {}).get("stage_ms") or r.server_timing_ms
+    if r.error_latency_ms:
+        e = r.error_latency_ms
+        lines.append(
+            f"  {r.load}: error answers took p50 {e['p50']:.2f} ms, p99 {e['p99']:.2f} ms "
+            "(not in the percentiles above)"
+        )
+    server = r.server or {}
+    stages = server.get("stage_ms") or r.server_timing_ms
     if stages:
         where = ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
-        lines.append(f"  {r.load}: server ms per request: {where}")
+        lines.append(f"  {r.load}: server ms per request answered 200: {where}")
+    reached, counts = server.get("stage_ms_reached") or {}, server.get("stage_requests") or {}
+    if reached and len(set(counts.values())) > 1:  # some requests skipped a stage
+        most = max(counts.values())
+        where = ", ".join(f"{k} {v:.2f} ({counts[k]:g} of {most:g})" for k, v in reached.items())
+        lines.append(f"  {r.load}: server ms per request that reached the stage: {where}")
     lines += [f"  {r.load}: warning: {w}" for w in r.warnings]
     return "\n".join(lines)
 

@@ -1,5 +1,6 @@
-"""A load point from start to result: scrape, drive (in one or several client processes),
-scrape again, merge, and judge whether the client itself was the limit."""
+"""A load point from start to result: drive (in one or several client processes), scrape the
+server as the measured window opens (after the warm-up) and after it, merge, and judge whether
+the client itself was the limit."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from clipserve.loadgen.loadgen import LoadSpec, progress_printer, run_async, run_load
+from clipserve.loadgen.loadgen import Hook, LoadSpec, progress_printer, run_async, run_load
 from clipserve.loadgen.payloads import Request
 from clipserve.loadgen.server import Breakdown, Samples, breakdown, scrape
 from clipserve.loadgen.stats import Tally
@@ -39,7 +40,7 @@ class PointResult:
     error_samples: dict[str, str]
     requests_per_s: float
     images_per_s: float
-    latency_ms: dict[str, float]
+    latency_ms: dict[str, float]  # OK answers (and unfinished requests, at their age)
     send_lag_ms: dict[str, float]
     client_loop_lag_ms: dict[str, float]
     client_cpu: list[float]
@@ -48,6 +49,7 @@ class PointResult:
     warnings: list[str] = field(default_factory=list)
     usd_per_million_images: float | None = None
     latency_hist: str = ""  # HdrHistogram, encoded: merge or re-read percentiles later
+    error_latency_ms: dict[str, float] = field(default_factory=dict)  # error answers apart
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,11 +68,13 @@ def drive(
     procs: int = 1,
     progress: bool = False,
     label: str = "",
+    on_measure: Hook | None = None,
 ) -> Tally:
-    """The merged tally of `procs` client processes sharing the load."""
+    """The merged tally of `procs` client processes sharing the load; `on_measure` runs as
+    the measured window opens."""
     if procs <= 1:
         printer = progress_printer(label or spec.load, spec) if progress else None
-        tally = run_async(run_load(url, requests, spec, progress=printer))
+        tally = run_async(run_load(url, requests, spec, progress=printer, on_measure=on_measure))
         if progress and sys.stderr.isatty():
             sys.stderr.write("\n")
         return tally
@@ -80,6 +84,10 @@ def drive(
         futures = [
             pool.submit(_child, url, requests, spec.share(i, procs), start_at) for i in range(procs)
         ]
+        if on_measure is not None:  # at start_at + warm-up (now, without one): children run on
+            if spec.warmup_s:
+                time.sleep(max(0.0, start_at + spec.warmup_s - time.time()))
+            run_async(on_measure())
         tallies = [Tally.from_dict(f.result()) for f in futures]
     merged = tallies[0]
     for t in tallies[1:]:
@@ -138,8 +146,14 @@ def run_point(
     progress: bool = False,
     usd_per_hour: float | None = None,
 ) -> PointResult:
-    before = run_async(_scrape_once(url))
-    tally = drive(url, requests, spec, procs, progress)
+    scraped: list[Samples | None] = []
+
+    async def scrape_before() -> None:
+        # When the window opens, not before the warm-up: the server's counts match the client's.
+        scraped.append(await _scrape_once(url))
+
+    tally = drive(url, requests, spec, procs, progress, on_measure=scrape_before)
+    before = scraped[0] if scraped else None
     after = run_async(_scrape_once(url))
     server: Breakdown | None = breakdown(before, after)
     window = tally.window_s
@@ -172,4 +186,5 @@ def run_point(
         warnings=judge(tally, spec),
         usd_per_million_images=cost,
         latency_hist=tally.latency.encode(),
+        error_latency_ms=tally.error_latency.summary(),
     )

@@ -1,8 +1,11 @@
-"""The server's side of a load point: `/info`, and `/metrics` scraped before and after.
+"""The server's side of a load point: `/info`, and `/metrics` scraped as the window opens and
+after it closes.
 
 The difference of two scrapes says what the server did during the window: requests by status,
-images embedded, batches and their sizes, and the time per stage (receive, decode, queue,
-compute, encode) from `clipserve_stage_duration_seconds`.
+images embedded, batches and their sizes, and the time per stage (receive, decode, fetch,
+cache, queue, compute, encode) from `clipserve_stage_duration_seconds`, which counts inference
+requests answered 200 only: its means are per such request (0 for a stage a request skipped,
+as a cache hit skips queue and compute), and per request that reached the stage.
 """
 
 from __future__ import annotations
@@ -60,7 +63,10 @@ class Breakdown:
     batches: float = 0.0
     mean_batch_size: float | None = None
     batched_share: float | None = None  # images that shared their forward pass with another
-    stage_ms: dict[str, float] = field(default_factory=dict)  # mean per request, per stage
+    # Mean ms per stage: per successful inference request, and per one that reached the stage.
+    stage_ms: dict[str, float] = field(default_factory=dict)
+    stage_ms_reached: dict[str, float] = field(default_factory=dict)
+    stage_requests: dict[str, float] = field(default_factory=dict)  # requests that reached it
     batch_ms_by_device: dict[str, float] = field(default_factory=dict)  # mean forward pass
     batches_by_device: dict[str, float] = field(default_factory=dict)
     queue_depth_after: float | None = None
@@ -82,6 +88,7 @@ def breakdown(before: Samples | None, after: Samples | None) -> Breakdown | None
     stage_count: dict[str, float] = defaultdict(float)
     batch_sum: dict[str, float] = defaultdict(float)
     ones = 0.0
+    succeeded = 0.0  # inference requests answered 200, the stages' requests
     for (name, labels), value in d.items():
         lab = dict(labels)
         if name == "clipserve_requests_total" and value and lab.get("route") != "/metrics":
@@ -97,6 +104,8 @@ def breakdown(before: Samples | None, after: Samples | None) -> Breakdown | None
             stage_sum[lab["stage"]] += value
         elif name == "clipserve_stage_duration_seconds_count":
             stage_count[lab["stage"]] += value
+        elif name == "clipserve_model_requests_total" and lab.get("outcome") == "success":
+            succeeded += value
         elif name == "clipserve_batch_duration_seconds_sum":
             batch_sum[lab["device"]] += value
         elif name == "clipserve_batch_duration_seconds_count" and value:
@@ -104,7 +113,12 @@ def breakdown(before: Samples | None, after: Samples | None) -> Breakdown | None
     if out.batches:
         out.mean_batch_size = round(out.images / out.batches, 3)
         out.batched_share = round((out.images - ones) / out.images, 3) if out.images else None
-    out.stage_ms = {s: round(stage_sum[s] / n * 1000, 3) for s, n in stage_count.items() if n > 0}
+    reached = {s: n for s, n in stage_count.items() if n > 0}
+    out.stage_requests = reached
+    out.stage_ms_reached = {s: round(stage_sum[s] / n * 1000, 3) for s, n in reached.items()}
+    # Without the Triton statistics (an older server): the most requests any stage saw.
+    requests = succeeded or max(reached.values(), default=0.0)
+    out.stage_ms = {s: round(stage_sum[s] / requests * 1000, 3) for s in reached}
     out.batch_ms_by_device = {
         dev: round(batch_sum[dev] / n * 1000, 3) for dev, n in out.batches_by_device.items()
     }

@@ -53,7 +53,10 @@ class Latencies:
 class Tally:
     """What one client process counted for one load point; merged across processes."""
 
+    # OK answers, and requests unfinished when the window closed (at their age then: a stall
+    # shows); error answers apart, so fast refusals do not flatter the percentiles.
     latency: Latencies = field(default_factory=Latencies)
+    error_latency: Latencies = field(default_factory=Latencies)
     send_lag: Latencies = field(default_factory=Latencies)  # open loop: send time - intended
     loop_lag: Latencies = field(default_factory=Latencies)  # the client's own event-loop delay
     statuses: Counter[str] = field(default_factory=Counter)
@@ -73,7 +76,7 @@ class Tally:
     window_s: float = 0.0
     cpu_s: float = 0.0  # this process's CPU time during the window
     cpu_fractions: list[float] = field(default_factory=list)  # per process, of one core
-    raw: list[float] | None = None  # every recorded latency in seconds, when asked (tests)
+    raw: list[float] | None = None  # every latency recorded in `latency`, when asked (tests)
 
     @property
     def completed(self) -> int:
@@ -83,7 +86,7 @@ class Tally:
     def ok(self) -> int:
         return self.statuses.get("200", 0)
 
-    _HISTOGRAMS = ("latency", "send_lag", "loop_lag")
+    _HISTOGRAMS = ("latency", "error_latency", "send_lag", "loop_lag")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (histograms encoded) to pass between processes; no raw latencies."""
@@ -102,9 +105,8 @@ class Tally:
         return cls(**fields)
 
     def merge(self, other: Tally) -> None:
-        self.latency.merge(other.latency)
-        self.send_lag.merge(other.send_lag)
-        self.loop_lag.merge(other.loop_lag)
+        for name in self._HISTOGRAMS:
+            getattr(self, name).merge(getattr(other, name))
         self.statuses.update(other.statuses)
         for status, sample in other.error_samples.items():
             self.error_samples.setdefault(status, sample)

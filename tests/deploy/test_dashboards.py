@@ -131,6 +131,7 @@ def test_the_dashboard_shows_what_an_operator_asks_first(dashboard: dict[str, An
         "clipserve_stage_duration_seconds_bucket",
         "clipserve_stage_duration_seconds_count",
         "clipserve_queue_depth",
+        "clipserve_admitted_items",
         "clipserve_estimated_wait_seconds",
         "clipserve_batch_size_bucket",
         "clipserve_device_busy_seconds_total",
@@ -142,6 +143,38 @@ def test_the_dashboard_shows_what_an_operator_asks_first(dashboard: dict[str, An
         "clipserve_restarts_total",
     ):
         assert metric in used, metric
+
+
+def _exprs(panel: dict[str, Any]) -> str:
+    return " ".join(target["expr"] for target in panel.get("targets", []))
+
+
+def test_a_panel_per_second_plots_a_rate(dashboard: dict[str, Any]) -> None:
+    """increase() over $__rate_interval is a count per interval, not per second."""
+    for panel in _panels(dashboard["panels"]):
+        if "per second" in f"{panel['title']} {panel.get('description', '')}":
+            assert "increase(" not in _exprs(panel), panel["title"]
+
+
+# Recorded for an inference request answered 200 only (clipserve/http/counted.py).
+SUCCESSES_ONLY = ("clipserve_stage_duration_seconds", "clipserve_request_bytes", "response_bytes")
+
+
+def test_panels_of_successes_only_say_so(dashboard: dict[str, Any]) -> None:
+    for panel in _panels(dashboard["panels"]):
+        if any(metric in _exprs(panel) for metric in SUCCESSES_ONLY):
+            assert "answered 200" in panel.get("description", ""), panel["title"]
+
+
+def test_the_queue_limit_is_shown_on_the_gauge_it_refuses_by(dashboard: dict[str, Any]) -> None:
+    """--max-queue-size refuses on clipserve_admitted_items (the queue, plus a place for each
+    request being read or looked up in the cache), not on the queue depth alone."""
+    named = [
+        p for p in _panels(dashboard["panels"]) if "--max-queue-size" in p.get("description", "")
+    ]
+    assert named
+    for panel in named:
+        assert "clipserve_admitted_items" in _exprs(panel), panel["title"]
 
 
 def test_compose_provisions_the_data_source_and_the_dashboard() -> None:

@@ -1,10 +1,11 @@
 """The Kubernetes manifests (docker/k8s): every variant, cpu and gpu each with KEDA or with an
 HPA on prometheus-adapter, builds with `kubectl kustomize`; every object validates offline
 against the Kubernetes schemas (kubernetes-validate, strict: an unknown field fails, as
-`kubectl apply`'s server-side field validation does) and the ScaledObject against KEDA's CRD
-schema (tests/deploy/schemas); and the objects agree with each other and with the server: the
-probes' paths answer, the scaling metric is exported, the grace period covers the drain, the
-liveness probe outlasts the supervisor's own restart, /dev/shm holds every front end's slots.
+`kubectl apply`'s server-side field validation does), the ScaledObject and the PodMonitor
+against KEDA's and the Prometheus Operator's CRD schemas (tests/deploy/schemas); and the
+objects agree with each other and with the server: the probes' paths answer, the scaling
+metric is exported, the grace period covers the drain, the liveness probe outlasts the
+supervisor's own restart, /dev/shm holds every front end's slots.
 """
 
 from __future__ import annotations
@@ -43,7 +44,11 @@ KUBECTL = shutil.which("kubectl")
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
 
 K8S = Path(__file__).parents[2] / "docker" / "k8s"
-KEDA_SCHEMA = Path(__file__).parent / "schemas" / "keda-scaledobject-v1alpha1.yaml"
+SCHEMAS = Path(__file__).parent / "schemas"
+CRD_SCHEMAS = {  # (apiVersion, kind): its CRD's openAPIV3Schema
+    ("keda.sh/v1alpha1", "ScaledObject"): SCHEMAS / "keda-scaledobject-v1alpha1.yaml",
+    ("monitoring.coreos.com/v1", "PodMonitor"): SCHEMAS / "prometheus-operator-podmonitor-v1.yaml",
+}
 ADAPTER_VALUES = K8S / "autoscaling" / "hpa" / "prometheus-adapter-values.yaml"
 OVERLAYS = ("cpu", "gpu")
 AUTOSCALERS = ("keda", "hpa")
@@ -115,8 +120,8 @@ def _closed(schema: Any) -> Any:
 
 
 @functools.cache
-def keda_validator() -> jsonschema.protocols.Validator:
-    schema = _closed(yaml.safe_load(KEDA_SCHEMA.read_text()))
+def crd_validator(path: Path) -> jsonschema.protocols.Validator:
+    schema = _closed(yaml.safe_load(path.read_text()))
     # ObjectMeta is the API server's to check, as for every kind; the CRD leaves it open.
     schema["properties"]["metadata"] = {"type": "object"}
     return jsonschema.Draft4Validator(schema)
@@ -125,10 +130,11 @@ def keda_validator() -> jsonschema.protocols.Validator:
 def schema_problems(manifest: Manifest, version: str) -> list[str]:
     """Where `manifest` breaks its kind's schema for Kubernetes `version`."""
     where = f"{manifest['kind']}/{manifest['metadata']['name']}"
-    if manifest["apiVersion"] == "keda.sh/v1alpha1" and manifest["kind"] == "ScaledObject":
+    crd = CRD_SCHEMAS.get((manifest["apiVersion"], manifest["kind"]))
+    if crd is not None:
         return [
             f"{where}: {'.'.join(map(str, e.absolute_path))}: {e.message}"
-            for e in keda_validator().iter_errors(manifest)
+            for e in crd_validator(crd).iter_errors(manifest)
         ]
     try:
         kubernetes_validate.validate(manifest, version, strict=True)
@@ -148,6 +154,7 @@ def test_every_object_validates(
     kinds = sorted(o["kind"] for o in objects)
     scaler = "ScaledObject" if variant.endswith("keda") else "HorizontalPodAutoscaler"
     expected = ["ConfigMap", "Deployment", "Namespace", "PodDisruptionBudget", "Service", scaler]
+    expected.append("PodMonitor")
     assert kinds == sorted(expected)
     assert [p for o in objects for p in schema_problems(o, version)] == []
 
@@ -187,6 +194,8 @@ CONTAINER = "spec.template.spec.containers.0"
         ("ScaledObject", lambda o: _set(o, "spec.minReplicaCount", "2"), "minReplicaCount"),
         ("ScaledObject", lambda o: _rename(o, "spec.triggers.0.metadata", "metdata"), "metdata"),
         ("ScaledObject", lambda o: _set(o, "spec.triggers.0.metadata.threshold", 32), "threshold"),
+        ("PodMonitor", lambda o: _rename(o, "spec.podMetricsEndpoints", "endpoints"), "endpoints"),
+        ("PodMonitor", lambda o: _set(o, "spec.podMetricsEndpoints.0.path", 1), "path"),
     ],
     ids=[
         "deployment-type",
@@ -196,6 +205,8 @@ CONTAINER = "spec.template.spec.containers.0"
         "scaledobject-type",
         "scaledobject-unknown-field",
         "scaledobject-metadata-not-string",
+        "podmonitor-unknown-field",
+        "podmonitor-type",
     ],
 )
 def test_a_broken_object_is_caught(
@@ -231,11 +242,12 @@ def test_selectors_names_and_ports_agree(variants: dict[str, list[Manifest]], va
 
     main = container(objects)
     ports = {p["name"]: p["containerPort"] for p in main["ports"]}
-    env = server_env(objects)
-    assert ports == {"http": int(env["CLIPSERVE_PORT"])}
+    env, http = server_env(objects), served_config(objects).http
+    assert http.grpc_port != 0  # gRPC is on (the image's default, 8001)
+    assert ports == {"http": int(env["CLIPSERVE_PORT"]), "grpc": http.grpc_port}
     assert env["CLIPSERVE_HOST"] == "0.0.0.0"  # reachable from the kubelet and the Service
-    for service_port in one(objects, "Service")["spec"]["ports"]:
-        assert service_port["targetPort"] in ports
+    service = {p["targetPort"]: p["port"] for p in one(objects, "Service")["spec"]["ports"]}
+    assert service == {"http": 80, "grpc": http.grpc_port}  # gRPC on Triton's port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert main[probe]["httpGet"]["port"] in ports
     assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == ports["http"]

@@ -17,6 +17,7 @@ import uvicorn
 
 from clipserve.loadgen.images import SourceImage, synthetic_image
 from clipserve.loadgen.loadgen import LoadSpec, run_async, run_load
+from clipserve.loadgen.output import details
 from clipserve.loadgen.payloads import ModelInput, Request, build_requests
 from clipserve.loadgen.procs import free_port, server_command
 from clipserve.loadgen.runner import run_point
@@ -295,3 +296,41 @@ def test_benchmark_servers_keep_off_tritons_grpc_port(monkeypatch: pytest.Monkey
     assert server_command(["--grpc-port", "9"], 18000).count("--grpc-port") == 1
     monkeypatch.setenv("CLIPSERVE_GRPC_PORT", "0")
     assert "--grpc-port" not in server_command(["--backend", "fake"], 18000)
+
+
+def test_percentiles_are_of_ok_answers_and_errors_have_their_own(serve: Serve) -> None:
+    """Fast refusals beside slow successes: the percentiles are the successes' alone."""
+    server = serve(backend="fake", backend_option=["latency_ms=300"])
+    bad = Request("/embed", b"not an image", {"Content-Type": "image/jpeg"}, 1)
+    result = run_point(server.url, [bad, PNG], LoadSpec(concurrency=2, requests=10))
+    assert result.statuses == {"400": 5, "200": 5}
+    assert Latencies(result.latency_hist).count == 5
+    assert result.latency_ms["p50"] >= 300  # the OK answers' simulated compute
+    assert result.error_latency_ms["max"] < 300 <= result.latency_ms["max"]
+    assert "error answers took" in details(result)
+
+
+def test_server_counts_cover_the_measured_window_not_the_warmup(serve: Serve) -> None:
+    """The server's "before" is scraped when the window opens, so its requests match the
+    client's: within the few in flight at either edge, not the warm-up's ~2 s of answers."""
+    server = serve(backend="fake", backend_option=["latency_ms=20"])
+    spec = LoadSpec(concurrency=2, duration_s=1.0, warmup_s=2.0)
+    result = run_point(server.url, [PNG], spec)
+    assert result.server is not None and result.ok > 10
+    answered = round(result.requests_per_s * result.window_s)  # OK answers in the window
+    assert abs(result.server["requests_by_status"]["/embed 200"] - answered) <= 2 * 2 + 1
+
+
+def test_server_stage_means_are_per_request_and_per_request_reaching_it(serve: Serve) -> None:
+    """Cache hits skip queue and compute: one computation among 10 requests. Per request, as
+    Server-Timing's means; per request that reached the stage, labelled so."""
+    server = serve(backend="fake", backend_option=["latency_ms=50"], cache_mb=16)
+    result = run_point(server.url, [PNG], LoadSpec(concurrency=1, requests=10))
+    assert result.server is not None and result.ok == 10
+    stages, reached = result.server["stage_ms"], result.server["stage_ms_reached"]
+    assert result.server["stage_requests"]["compute"] == 1
+    assert result.server["stage_requests"]["receive"] == 10
+    assert reached["compute"] >= 50
+    assert stages["compute"] == pytest.approx(reached["compute"] / 10, rel=1e-3, abs=1e-3)
+    assert stages["compute"] == pytest.approx(result.server_timing_ms["compute"], rel=0.05)
+    assert "per request that reached the stage: " in details(result)
