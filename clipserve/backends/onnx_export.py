@@ -370,11 +370,20 @@ def cached_export(model: LoadedModel, cache_dir: Path, precision: str) -> Export
     directory = cache_dir / "onnx" / cache_key(model, model.visual_digest)
     sweep_staging(directory.parent)
     if is_complete(directory, precision):
-        image = directory / f"image-{precision}.onnx"
-        log.info("reusing ONNX export %s", image)
-        normalize = directory / f"normalize-{precision}.onnx"
-        return ExportedModel(directory, image, normalize, precision, reused=True)
-    return export(model, directory, precision)
+        return _reused(directory, precision)
+    # Replicas sharing a cache volume export one at a time: the others wait, then reuse it
+    # (two installing file by file into one folder would replace files the other is opening).
+    with folder_lock(directory, "ONNX export"):
+        if is_complete(directory, precision):
+            return _reused(directory, precision)
+        return export(model, directory, precision)
+
+
+def _reused(directory: Path, precision: str) -> ExportedModel:
+    image = directory / f"image-{precision}.onnx"
+    log.info("reusing ONNX export %s", image)
+    normalize = directory / f"normalize-{precision}.onnx"
+    return ExportedModel(directory, image, normalize, precision, reused=True)
 
 
 def damage(exported: ExportedModel) -> str | None:

@@ -143,6 +143,14 @@ class RemoteEngine:
         self._card = card
 
     def _use_card(self, card: dict[str, Any]) -> None:
+        # What every mode reads later (dim, max_items, max_body_bytes, auto's model): here,
+        # so that a card without them is refused now, not as a KeyError mid-embedding.
+        str(card["model"])
+        int(card["embed_dim"])
+        limits = card["limits"]
+        int(limits["max_items_per_request"])
+        int(limits["max_body_bytes"])
+        int(dict(card.get("batching", {})).get("max_queue_size", 1))
         if self._image_format == "tensor":
             size = card["input_size"]
             spec = PreprocessSpec(

@@ -22,9 +22,10 @@ log = logging.getLogger(__name__)
 TOKENIZER_CACHE_ENTRIES = 50_000
 # open_clip's BPE (pure Python) is quadratic in a word's length: a 1000-letter "word" took
 # ~40 ms, and a request of 64 such texts held the text tower for seconds. Longer runs of
-# letters are cut into pieces this long (real words, and CJK runs between punctuation, are
-# shorter; the tokens of such a run reach past the context anyway).
-LONGEST_WORD = 64
+# letters are cut into pieces this long: real words, German compounds and CamelCase names are
+# shorter (a 79-letter compound is ~20 tokens, inside the context: a cut at 64 changed them),
+# and so are CJK runs between punctuation.
+LONGEST_WORD = 128
 # Words the BPE cache keeps: at most this long, byte-encoded (a CJK character is 3), so its
 # memory is bounded by its entries whatever words clients invent (1000-character ones took
 # ~17 KB an entry).

@@ -21,6 +21,7 @@ backend, device and worst cosine; `warn` (the default on the CPU) logs it; `off`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import logging
@@ -173,16 +174,22 @@ def _served(
         return l2_normalise_rows(np.concatenate(parts).astype(np.float32), every)
     in_flight: deque[object] = deque()
     rows: list[np.ndarray] = []
-    for chunk in chunks:
-        every = np.ones(len(chunk), bool)
-        if launching is not None:
-            crops = _device_crops(chunk, launching.pixel_device)
-            in_flight.append(launching.launch_pixels(crops, every))
-        else:
-            in_flight.append(asynchronous.launch(list(chunk), every))
-        if len(in_flight) >= depth:
+    try:
+        for chunk in chunks:
+            every = np.ones(len(chunk), bool)
+            if launching is not None:
+                crops = _device_crops(chunk, launching.pixel_device)
+                in_flight.append(launching.launch_pixels(crops, every))
+            else:
+                in_flight.append(asynchronous.launch(list(chunk), every))
+            if len(in_flight) >= depth:
+                rows.append(asynchronous.wait(in_flight.popleft()))
+        while in_flight:
             rows.append(asynchronous.wait(in_flight.popleft()))
-    rows.extend(asynchronous.wait(handle) for handle in in_flight)
+    finally:  # a launch or wait that failed: the batches still launched give their slots back
+        for handle in in_flight:
+            with contextlib.suppress(Exception):
+                asynchronous.wait(handle)
     return np.concatenate(rows)  # normalised on the device: served as they are
 
 

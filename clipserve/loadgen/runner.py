@@ -152,8 +152,18 @@ def run_point(
         # When the window opens, not before the warm-up: the server's counts match the client's.
         scraped.append(await _scrape_once(url))
 
+    # Also one before any load: the window's scrape runs under it, and may time out or meet
+    # a full server; then the counts start before the warm-up (and the point says so).
+    early = run_async(_scrape_once(url))
     tally = drive(url, requests, spec, procs, progress, on_measure=scrape_before)
     before = scraped[0] if scraped else None
+    notes = []
+    if before is None and early is not None:
+        before = early
+        notes.append(
+            "the server's metrics at the window's start were unreadable under load: "
+            "its numbers include the warm-up"
+        )
     after = run_async(_scrape_once(url))
     server: Breakdown | None = breakdown(before, after)
     window = tally.window_s
@@ -183,7 +193,7 @@ def run_point(
         client_cpu=[round(c, 3) for c in tally.cpu_fractions],
         server_timing_ms=timing,
         server=server.to_dict() if server else None,
-        warnings=judge(tally, spec),
+        warnings=judge(tally, spec) + notes,
         usd_per_million_images=cost,
         latency_hist=tally.latency.encode(),
         error_latency_ms=tally.error_latency.summary(),

@@ -73,6 +73,26 @@ def test_each_precision_has_its_own_marker_listing_file_sizes(
     assert staging_left(tmp_path / "onnx") == []
 
 
+def test_a_replica_waits_for_the_export_another_is_writing(
+    tiny_loaded: Any, tmp_path: Path
+) -> None:
+    first = cached_export(tiny_loaded, tmp_path, "fp32")
+    marker = meta_path(first.directory, "fp32")
+    written = marker.read_text()
+    marker.unlink()  # as while another replica installs it
+    found: list[ExportedModel] = []
+    with folder_lock(first.directory, "ONNX export"):  # that replica exporting
+        waiter = threading.Thread(
+            target=lambda: found.append(cached_export(tiny_loaded, tmp_path, "fp32"))
+        )
+        waiter.start()
+        time.sleep(0.3)
+        assert staging_left(tmp_path / "onnx") == [] and not found  # waiting, not exporting
+        marker.write_text(written)  # what that replica moved in last
+    waiter.join(60)
+    assert found and found[0].reused  # its export, not a second one
+
+
 def test_clipserve_export_reports_the_cosine_of_the_precision_asked_for(
     tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -121,6 +121,7 @@ def test_an_answer_that_does_not_decode_is_a_server_error(serve: Serve) -> None:
         (b"<html><body>Please sign in</body></html>", "text/html", "encoded"),
         (b"\xff\xfe not text", "application/json", "encoded"),
         (b'["a list"]', "application/json", "encoded"),
+        (b'{"status": "ok"}', "application/json", "encoded"),  # an object, not a model card
         (b'{"status": "ok"}', "application/json", "tensor"),  # an object, not a model card
     ],
 )

@@ -158,7 +158,8 @@ def test_an_engine_that_dies_soon_after_its_load_is_restarted_with_backoff(
         server.wait_ready()
         # 10.3 s after its spawn, and so (its load took seconds) under 10 s after its ready.
         wait_s = spawned + 10.3 - time.monotonic()
-        assert wait_s > 0, "the engine took over 10 s to be ready: this test needs it faster"
+        if wait_s <= 0:  # a machine this loaded cannot tell the two clocks apart
+            pytest.skip("the engine took over 10 s to be ready: this test needs it faster")
         time.sleep(wait_s)
         engine.kill()
         until(lambda: "restarting it in" in log.read_text(), 30, "the restart logged")

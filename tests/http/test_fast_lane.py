@@ -111,6 +111,18 @@ def test_the_lane_takes_exactly_the_routers_inference_routes(
         assert expected is not None  # the hot routes are the lane's
 
 
+@pytest.mark.parametrize("path", ["/embed", "/v2/models/m/infer", "/healthz"])
+def test_under_a_root_path_the_table_answers_as_the_router(app: Starlette, path: str) -> None:
+    # uvicorn's path holds the prefix (root_path + path): the key check asks about these too.
+    scope = {"type": "http", "method": "POST", "path": "/api" + path, "root_path": "/api"}
+    router = first_match(app.routes, scope)
+    inference = router is not None and isinstance(
+        getattr(router[0], "app", None), InferenceEndpoint
+    )
+    assert InferenceRoutes(app.routes).serves(scope) is inference
+    assert inference is (path != "/healthz")
+
+
 @asynccontextmanager
 async def served(app: Starlette) -> AsyncIterator[dict[str, Any]]:
     """The app's lifespan: its state, as uvicorn hands it to each request."""

@@ -28,6 +28,9 @@ def test_real_texts_tokenise_as_open_clip_does(model: LoadedModel, tiny_config: 
 
     texts = ["a photo of a cat", "Überraschung! 東京タワーの夜景、とても綺麗でした。", ""]
     texts.append("pneumonoultramicroscopicsilicovolcanoconiosis " * 3)  # 45 letters: kept whole
+    compound = "Donaudampfschifffahrtselektrizitätenhauptbetriebswerkbauunterbeamtengesellschaft"
+    texts.append(f"die {compound} und ihre Mitarbeiter")  # 79 letters, ~20 tokens: kept whole
+    texts.append("class " + "VeryLongCamelCaseIdentifierName" * 4)  # 124 letters
     want = open_clip.get_tokenizer(tiny_config.stem)(texts).numpy()
     assert np.array_equal(model.tokenize(texts), want)
 

@@ -312,13 +312,17 @@ def test_percentiles_are_of_ok_answers_and_errors_have_their_own(serve: Serve) -
 
 def test_server_counts_cover_the_measured_window_not_the_warmup(serve: Serve) -> None:
     """The server's "before" is scraped when the window opens, so its requests match the
-    client's: within the few in flight at either edge, not the warm-up's ~2 s of answers."""
+    client's: within those answered while it is read, not the warm-up's ~2 s of answers."""
     server = serve(backend="fake", backend_option=["latency_ms=20"])
     spec = LoadSpec(concurrency=2, duration_s=1.0, warmup_s=2.0)
     result = run_point(server.url, [PNG], spec)
     assert result.server is not None and result.ok > 10
     answered = round(result.requests_per_s * result.window_s)  # OK answers in the window
-    assert abs(result.server["requests_by_status"]["/embed 200"] - answered) <= 2 * 2 + 1
+    # Off by what completes while the window's scrape is under way (more on a loaded
+    # machine); the warm-up's answers (~160 here, when they were counted) are far more.
+    assert abs(result.server["requests_by_status"]["/embed 200"] - answered) <= max(
+        5, answered // 4
+    )
 
 
 def test_server_stage_means_are_per_request_and_per_request_reaching_it(serve: Serve) -> None:
