@@ -134,23 +134,18 @@ class RemoteEngine:
     async def start(self) -> None:
         if self._card is not None:
             return
-        card = await self.info()
+        self._card = await self.info()
         try:
-            self._use_card(card)
-        except (KeyError, IndexError, TypeError, ValueError) as e:  # not a clipserve card
+            # What every mode reads later, read now through the same properties: a card
+            # without it is refused here, not as a KeyError mid-embedding.
+            _ = (str(self.card["model"]), self.dim, self.max_items, self.max_body_bytes)
+            self._use_card(self.card)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            self._card = None  # not a clipserve card
             why = f"GET /info: not a model card this client reads ({type(e).__name__}: {e})"
             raise ServerError(200, "bad_answer", why) from None
-        self._card = card
 
     def _use_card(self, card: dict[str, Any]) -> None:
-        # What every mode reads later (dim, max_items, max_body_bytes, auto's model): here,
-        # so that a card without them is refused now, not as a KeyError mid-embedding.
-        str(card["model"])
-        int(card["embed_dim"])
-        limits = card["limits"]
-        int(limits["max_items_per_request"])
-        int(limits["max_body_bytes"])
-        int(dict(card.get("batching", {})).get("max_queue_size", 1))
         if self._image_format == "tensor":
             size = card["input_size"]
             spec = PreprocessSpec(

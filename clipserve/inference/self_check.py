@@ -170,8 +170,7 @@ def _served(
             parts = [pixels.run_pixels(_device_crops(c, pixels.pixel_device)) for c in chunks]
         else:
             parts = [executor.run(c) for c in chunks]
-        every = np.ones(len(inputs), bool)
-        return l2_normalise_rows(np.concatenate(parts).astype(np.float32), every)
+        return _unit(np.concatenate(parts))  # normalised on the host, as the worker does
     in_flight: deque[object] = deque()
     rows: list[np.ndarray] = []
     try:
