@@ -222,9 +222,18 @@ class Metrics:
             registry=r,
             multiprocess_mode="max",
         )
+        # By tower: a --self-check warn server below a floor serves anyway (an alert's case).
         self.self_check_min_cosine = Gauge(
             "clipserve_self_check_min_cosine",
             "The startup self-check's worst cosine against the CPU FP32 reference",
+            ["tower"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.self_check_floor = Gauge(
+            "clipserve_self_check_floor",
+            "The cosine the startup self-check asks of the tower's precision",
+            ["tower"],
             registry=r,
             multiprocess_mode="mostrecent",
         )

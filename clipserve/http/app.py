@@ -135,6 +135,15 @@ async def _grpc_serving(
         await stopping[0]
 
 
+def _self_check_gauges(metrics: Metrics, checked: dict[str, Any] | None) -> None:
+    if checked is None:
+        return
+    for tower, prefix in (("image", ""), ("text", "text_")):
+        if checked[prefix + "min_cosine"] is not None:  # None: not checked (--self-check off)
+            metrics.self_check_min_cosine.labels(tower).set(checked[prefix + "min_cosine"])
+            metrics.self_check_floor.labels(tower).set(checked[prefix + "floor"])
+
+
 def _body_budget(config: ServerConfig, front_end: tuple[int, int] | None) -> BodyBudget:
     """--max-body-bytes-in-flight: this process's, or the table every front end shares."""
     capacity = config.limits.max_body_bytes_in_flight
@@ -203,9 +212,7 @@ def create_app(
             regions = _shm_regions(config, front_end)
             pipeline = Pipeline(rt.config, rt, image, text, metrics, pool, budget, regions)
             app.state.pipeline = pipeline
-            checked = rt.self_check
-            if checked is not None and checked["min_cosine"] is not None:
-                metrics.self_check_min_cosine.set(checked["min_cosine"])
+            _self_check_gauges(metrics, rt.self_check)
             devices = ", ".join(rt.devices)
             log.info("serving %s with %s on %s", rt.model.identity, rt.backend, devices)
             try:

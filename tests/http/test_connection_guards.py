@@ -145,6 +145,17 @@ def test_requests_pipelined_past_the_cap_get_a_503_after_the_answers_ahead(
     assert error_code(answers[-1][2]) == "overloaded"
 
 
+@pytest.mark.parametrize("over", [0, 1], ids=["at-the-cap", "one-past"])
+def test_the_pipelining_cap_counts_the_request_answering(server: RunningServer, over: int) -> None:
+    # One write of ~2 KB is one read: every request is parsed before the first is answered.
+    probe = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    last = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    with connect(server.port) as sock:
+        sock.sendall(probe * (MAX_PIPELINED - 1 + over) + last)
+        statuses = [status for status, _, _ in read_responses(sock)]
+    assert statuses == [200] * MAX_PIPELINED + [503] * over, statuses
+
+
 class Errors(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.ERROR)

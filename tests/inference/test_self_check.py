@@ -130,7 +130,10 @@ def test_wrong_numbers_fail_and_strict_keeps_the_server_unready(serve: Serve) ->
     assert 0.9 < check["min_cosine"] < FLOORS["fp32"]
     assert check["texts"] == 4 and check["text_min_cosine"] >= FLOORS["fp32"]  # not perturbed
     metrics = httpx.get(server.url + "/metrics").text
-    assert f"clipserve_self_check_min_cosine {check['min_cosine']}" in metrics
+    image = f'clipserve_self_check_min_cosine{{tower="image"}} {check["min_cosine"]}'
+    text = f'clipserve_self_check_min_cosine{{tower="text"}} {check["text_min_cosine"]}'
+    floor = f'clipserve_self_check_floor{{tower="image"}} {check["floor"]}'
+    assert image in metrics and text in metrics and floor in metrics, metrics
     # warn serves anyway; off does not check.
     warned = serve(backend="fake", backend_option=["perturb=0.1"], self_check="warn")
     assert httpx.get(warned.url + "/readyz").status_code == 200
