@@ -7,13 +7,25 @@ STAMP  := $(VENV)/.installed
 ARGS   ?= --pretrained none
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-slow coverage check lint bench bench-report gpu-check perf-analyzer-env pytriton-env clean
+.PHONY: serve test test-slow coverage check lint bench bench-report gpu-check perf-analyzer-env pytriton-env constraints clean
 
-$(STAMP): pyproject.toml
+# Versions held to constraints.txt, the last resolution that passed (CONSTRAINTS= for the newest).
+CONSTRAINTS ?= constraints.txt
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $(STAMP)
+
+# A fresh resolution of pyproject.toml's dependencies (dev extra included), frozen into
+# constraints.txt under its header: run the tests on it before committing it.
+constraints:
+	rm -rf .constraints-venv && $(PYTHON) -m venv .constraints-venv
+	.constraints-venv/bin/python -m pip install -q --upgrade pip
+	.constraints-venv/bin/python -m pip install -q -e '.[dev]'
+	{ grep '^#' constraints.txt; .constraints-venv/bin/python -m pip freeze --exclude-editable; } > constraints.new
+	mv constraints.new constraints.txt && rm -rf .constraints-venv
 
 serve: $(STAMP)
 	$(BIN)/clipserve $(ARGS)
