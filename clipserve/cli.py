@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -11,9 +10,6 @@ from clipserve import __version__
 from clipserve.config import ServerConfig, iter_options, load_config
 from clipserve.errors import StartupError
 from clipserve.logs import configure_logging
-
-log = logging.getLogger("clipserve")
-
 
 SUBCOMMANDS = {
     "dedupe": "find exact and near-duplicate photos in folders (see 'clipserve dedupe --help')",

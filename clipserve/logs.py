@@ -34,6 +34,35 @@ NOISY = ("uvicorn.error", MULTIPART_LOGGER)
 NOISE_INTERVAL_S = 10.0
 
 
+ACCESS = logging.getLogger(ACCESS_LOGGER)
+
+
+def log_access(
+    request_id: str,
+    method: str,
+    route: str,
+    path: str,
+    status: int,
+    elapsed: float,
+    items: int | None,
+    client: str | None,
+    key: str | None,
+) -> None:
+    """One access line, its fields as docs/operations.md lists them, for HTTP and gRPC alike."""
+    fields = {
+        "request_id": request_id,
+        "method": method,
+        "route": route,
+        "path": path,
+        "status": status,
+        "duration_ms": round(elapsed * 1000, 3),
+        "items": items,
+        "client": client,
+        "key": key,
+    }
+    ACCESS.info("%s %s %d", method, path, status, extra={"fields": fields})
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record. A record's `fields` (a dict, given as `extra={"fields":
     ...}`) are added as they are: the access lines' request id, status, duration and so on."""

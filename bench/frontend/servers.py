@@ -12,8 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +20,7 @@ import psutil  # type: ignore[import-untyped]
 
 from bench.common import REPO, say
 from clipserve.loadgen.payloads import Request
-from clipserve.loadgen.procs import free_port, knows, pin
+from clipserve.loadgen.procs import free_port, knows, pin, wait_ready
 
 
 @dataclass
@@ -121,7 +119,7 @@ def start(
     proc = subprocess.Popen(cmd, cwd=s.cwd, env=s.env, preexec_fn=pin(cpus), stdout=stdout)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(proc, url + s.ready_path, startup_s, s.name)
+        wait_ready(proc, url, startup_s, s.name, s.ready_path)
         root = psutil.Process(proc.pid)
         if profile is not None:
             root = root.children()[0]
@@ -129,23 +127,6 @@ def start(
         yield Running(s, proc, root, url)
     finally:
         _stop(proc, profile is not None)
-
-
-def wait_ready(proc: subprocess.Popen[bytes], url: str, startup_s: float, what: str) -> None:
-    """Until `url` answers 200; RuntimeError if `proc` exits or time runs out."""
-    deadline = time.monotonic() + startup_s
-    while True:
-        with (
-            contextlib.suppress(urllib.error.URLError, OSError),
-            urllib.request.urlopen(url, timeout=2) as r,
-        ):
-            if r.status == 200:
-                return
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} not ready after {startup_s:g} s")
-        time.sleep(0.1)
 
 
 def pytriton(python: str, tensors: list[Request]) -> Server:

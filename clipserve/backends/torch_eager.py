@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,7 +49,6 @@ from clipserve.errors import StartupError
 if TYPE_CHECKING:
     from clipserve.inference.model import LoadedModel
 
-log = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 

@@ -102,10 +102,6 @@ class Batcher:
                 return True
         return False
 
-    @property
-    def all_alive(self) -> bool:
-        return all(w.alive for w in self.workers)
-
     def depth(self) -> int:
         return len(self.queue)
 

@@ -1,7 +1,7 @@
 """The embedding cache: computed rows by key in an LRU bounded by bytes, and the one flight of
 each key being computed, which every request asking for it waits on (single-flight).
 
-Keys are opaque here: front ends make them from what decides an answer (`http/keys_of.py`:
+Keys are opaque here: front ends make them from what decides an answer (`http/cache_keys.py`:
 the item's bytes, the model, its weights, precision, normalisation). One cache serves both
 towers of a process (the engine's with --workers N), so they share one byte budget.
 Everything runs on the event loop.

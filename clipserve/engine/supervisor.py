@@ -193,7 +193,7 @@ class Supervisor:
         binds it beside the others (docs/api.md: what that costs when a front end dies)."""
         http = self.config.http
         # --reuse-port: held as the gRPC port is, each front end listening on a socket of its
-        # own beside it (http/server.py's `beside`).
+        # own beside it (http/listeners.py's `beside`).
         self.listener = bind_port(http.host, http.port, "--host/--port", reuse_port=http.reuse_port)
         if http.grpc_port:
             self.grpc_hold = bind_port(http.host, http.grpc_port, "--grpc-port", reuse_port=True)

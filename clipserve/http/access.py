@@ -14,7 +14,6 @@ total over all front ends. Probes stay open, and /metrics too unless --protect-m
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Generic
 
@@ -33,7 +32,6 @@ from clipserve.metrics import rate_limited_counter
 if TYPE_CHECKING:  # the supervisor imports check_access: not the doors and the pipeline
     from clipserve.http.status import ErrorPages
 
-log = logging.getLogger(__name__)
 # Probes: a load balancer or kubelet holds no key.
 OPEN_PATHS = frozenset(
     {

@@ -38,11 +38,10 @@ from clipserve.http.keys import Grant
 from clipserve.http.listeners import check_tls
 from clipserve.http.observer import new_request_id, valid_request_id
 from clipserve.http.status import CLIENT_CLOSED, status_for
-from clipserve.logs import ACCESS_LOGGER
+from clipserve.logs import ACCESS, log_access
 from clipserve.metrics import Metrics
 
 log = logging.getLogger(__name__)
-access_log = logging.getLogger(ACCESS_LOGGER)
 
 SERVICE = "inference.GRPCInferenceService"
 OPEN_METHODS = frozenset({"ServerLive", "ServerReady", "ModelReady"})  # probes hold no key
@@ -119,8 +118,9 @@ class CallGuard:
                 elapsed = time.perf_counter() - t0
                 self.metrics.requests.labels(route, str(status)).inc()
                 self.metrics.request_duration.labels(route).observe(elapsed)
-                if access_log.isEnabledFor(logging.INFO):
-                    _log_access(context.peer(), request_id, route, status, elapsed, key)
+                if ACCESS.isEnabledFor(logging.INFO):
+                    peer = context.peer()
+                    log_access(request_id, "GRPC", route, route, status, elapsed, None, peer, key)
 
         return call
 
@@ -198,28 +198,6 @@ class Servicer(Protocol):
     """What `build_grpc_server` serves: the door registers each method it implements."""
 
     def register(self, methods: Methods) -> None: ...
-
-
-def _log_access(
-    peer: str,
-    request_id: str,
-    route: str,
-    status: int,
-    elapsed: float,
-    key: str | None,
-) -> None:
-    fields = {
-        "request_id": request_id,
-        "method": "GRPC",
-        "route": route,
-        "path": route,
-        "status": status,
-        "duration_ms": round(elapsed * 1000, 3),
-        "items": None,
-        "client": peer,
-        "key": key,
-    }
-    access_log.info("GRPC %s %d", route, status, extra={"fields": fields})
 
 
 def build_grpc_server(

@@ -150,7 +150,6 @@ class KeyFile:
         self.default = default
         self._seen = _signature(path)
         self.ring = read_keys(path, default)  # a bad file at startup: StartupError
-        self.reloads = 0  # successful reloads (tests wait on it)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -187,5 +186,4 @@ class KeyFile:
             log.error("%s; keeping the %d keys loaded before", e, len(self.ring))
             return
         self.ring = ring
-        self.reloads += 1
         log.info("--api-keys %s: %d keys loaded", self.path, len(ring))

@@ -17,14 +17,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from clipserve import errors
 from clipserve.http.children import Children
 from clipserve.http.status import ErrorPages
-from clipserve.logs import ACCESS_LOGGER
+from clipserve.logs import ACCESS, log_access
 from clipserve.metrics import Metrics
 
 if TYPE_CHECKING:
     from clipserve.http.tracing import RequestTracing
 
 log = logging.getLogger(__name__)
-access_log = logging.getLogger(ACCESS_LOGGER)
 MAX_REQUEST_ID = 128
 MAX_LOGGED_PATH = 1024  # a path may be as long as --max-header-bytes: an access line stays short
 
@@ -147,7 +146,7 @@ class RequestObserver:
                 d.observe_all(((children[1], elapsed),))
             if span is not None:
                 span.finish(scope, route, status)
-            if access_log.isEnabledFor(logging.INFO):
+            if ACCESS.isEnabledFor(logging.INFO):
                 _log_access(scope, state, request_id, route, status, elapsed)
 
     def _label(self, path: str) -> str:
@@ -164,16 +163,7 @@ def _log_access(
     """One line per answered request. `items` and `key` are set by the layers that learn them
     (the pipeline once the body is parsed, the key check); absent, they are null."""
     client = scope.get("client")
-    method, path = scope["method"], scope["path"][:MAX_LOGGED_PATH]
-    fields = {
-        "request_id": request_id,
-        "method": method,
-        "route": route,
-        "path": path,
-        "status": status,
-        "duration_ms": round(elapsed * 1000, 3),
-        "items": state.get("items"),
-        "client": f"{client[0]}:{client[1]}" if client else None,
-        "key": state.get("key"),
-    }
-    access_log.info("%s %s %d", method, path, status, extra={"fields": fields})
+    path = scope["path"][:MAX_LOGGED_PATH]
+    peer = f"{client[0]}:{client[1]}" if client else None
+    items, key = state.get("items"), state.get("key")
+    log_access(request_id, scope["method"], route, path, status, elapsed, items, peer, key)

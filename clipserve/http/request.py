@@ -8,8 +8,6 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from starlette.types import Receive
-
 from clipserve.errors import BodyTimeout, InvalidHeader, Overloaded, RequestTimeout
 from clipserve.http.timing import StageTimer
 
@@ -85,11 +83,6 @@ class BodyBudget:
 
     def close(self) -> None:
         """Nothing to free here; a shared budget unmaps its table."""
-
-
-async def until_disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 async def unless_gone(

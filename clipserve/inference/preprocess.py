@@ -283,10 +283,10 @@ class ImageDecoder:
         self.fast = fast
         self.read_headers = read_headers
         self._resample = _RESAMPLE[spec.interpolation]
-        # Read here, not bound as the default: benchmarks set the module's value per process.
         if jpeg_scaling not in JPEG_SCALINGS:
             raise ValueError(f"jpeg_scaling must be one of {JPEG_SCALINGS}, not {jpeg_scaling!r}")
         self.jpeg_scaling = jpeg_scaling  # --jpeg-scaling, for /info
+        # The module's margins are read here, not bound as defaults: benchmarks set them.
         if draft_margin is None:
             draft_margin = FAST_DRAFT_MARGIN if jpeg_scaling == "fast" else DRAFT_MARGIN
         self.draft_margin = draft_margin

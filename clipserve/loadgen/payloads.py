@@ -19,6 +19,7 @@ import orjson
 from clipserve.inference.preprocess import ImageDecoder, PreprocessSpec
 from clipserve.loadgen.images import SourceImage, encode
 from clipserve.protocol.kserve import DEFAULT_OUTPUT, TEXT_SUFFIX, build_infer_request
+from clipserve.protocol.openai import build_embeddings_request
 
 ACCEPT = {
     "json": "application/json",
@@ -241,22 +242,15 @@ def _text_msgpack(ctx: Context) -> Request:
     return Request("/embed/text", body, ctx.headers("application/msgpack"), len(texts))
 
 
-def _data_uri(data: bytes) -> str:
-    kind = {b"\xff\xd8": "jpeg", b"\x89P": "png", b"RI": "webp"}.get(data[:2], "jpeg")
-    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
-
-
 @register("openai-images", "POST /v1/embeddings, images as data: URIs (OpenAI's API)")
 def _openai_images(ctx: Context) -> Request:
-    body = orjson.dumps(
-        {"model": ctx.model.openai_name, "input": [_data_uri(d) for d in ctx.encoded_any()]}
-    )
+    body = build_embeddings_request(ctx.encoded_any(), ctx.model.openai_name)
     return Request("/v1/embeddings", body, ctx.headers("application/json"), len(ctx.images))
 
 
 @register("openai-texts", "POST /v1/embeddings, texts (OpenAI's API)", text=True)
 def _openai_texts(ctx: Context) -> Request:
-    body = orjson.dumps({"model": ctx.model.openai_name, "input": _texts(ctx)})
+    body = build_embeddings_request(_texts(ctx), ctx.model.openai_name)
     return Request("/v1/embeddings", body, ctx.headers("application/json"), len(ctx.images))
 
 

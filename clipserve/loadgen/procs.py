@@ -39,19 +39,22 @@ def tiny_model(directory: Path) -> Path:
     return path
 
 
-def ready(url: str) -> bool:
-    """Whether `url`'s /readyz answers 200 now."""
+def ready(url: str, path: str = "/readyz") -> bool:
+    """Whether `url`'s readiness `path` answers 200 now."""
     try:
-        with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
+        with urllib.request.urlopen(url + path, timeout=2) as r:
             return bool(r.status == 200)
     except (urllib.error.URLError, OSError):
         return False
 
 
-def wait_ready(proc: subprocess.Popen[bytes], url: str, startup_s: float, what: str) -> None:
-    """Until `url`'s /readyz answers 200; RuntimeError if `proc` exits or time runs out."""
+def wait_ready(
+    proc: subprocess.Popen[bytes], url: str, startup_s: float, what: str, path: str = "/readyz"
+) -> None:
+    """Until `url`'s readiness `path` answers 200; RuntimeError if `proc` exits or time runs
+    out."""
     deadline = time.monotonic() + startup_s
-    while not ready(url):
+    while not ready(url, path):
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with {proc.returncode}")
         if time.monotonic() > deadline:

@@ -11,7 +11,7 @@ as a cache hit skips queue and compute), and per request that reached the stage.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
@@ -72,7 +72,7 @@ class Breakdown:
     queue_depth_after: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items()}
+        return asdict(self)
 
 
 def _delta(before: Samples, after: Samples) -> Samples:

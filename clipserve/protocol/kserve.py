@@ -377,12 +377,10 @@ def build_infer_request(
     texts: Sequence[str] | None = None,
     binary_output: bool = True,
     output: str = DEFAULT_OUTPUT,
-    input_name: str | None = None,
 ) -> tuple[bytes, dict[str, str]]:
     """A binary inference request body and its headers, as tritonclient builds it: encoded
     images (BYTES), a UINT8/FP16/FP32 tensor, or texts (for the `-text` model). POST it to
-    `/v2/models/<model>/infer`. For load generators: with `input_name` and `output` set to a
-    Triton model's own names, the same body runs against Triton."""
+    `/v2/models/<model>/infer`."""
     if tensor is not None:
         datatype = {np.dtype(v): k for k, v in NUMERIC.items()}[tensor.dtype]
         name = {"UINT8": "pixels", "FP16": "pixel_values_fp16"}.get(datatype, "pixel_values")
@@ -396,7 +394,7 @@ def build_infer_request(
     else:
         raise ValueError("give images, tensor or texts")
     sent = {
-        "name": input_name or name,
+        "name": name,
         "shape": shape,
         "datatype": datatype,
         "parameters": {"binary_data_size": len(data)},

@@ -201,7 +201,7 @@ def test_poisoned_item_fails_alone_and_its_batch_neighbours_are_answered() -> No
         assert metrics.batch_failures.labels("sim:0")._value.get() == 1
         assert metrics.items._value.get() == 3  # computed: 1, 8 and 9
         assert_rows(await submit(batcher, 9), expected(fakes[0], 9))
-        assert batcher.all_alive
+        assert all(w.alive for w in batcher.workers)
 
     run(test, latency_ms=100, fail_pixel=7, metrics=metrics)
 

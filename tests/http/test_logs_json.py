@@ -9,7 +9,9 @@ from typing import Any
 
 import httpx
 import pytest
+import tritonclient.grpc as grpcclient
 
+from clipserve.loadgen.procs import free_port
 from tests.helpers import PNG, cli_server, marked_png
 
 FIELDS = {"time", "level", "logger", "role", "message"}
@@ -65,8 +67,11 @@ def test_one_process_writes_json_lines_and_an_access_line_per_request(
 ) -> None:
     keys = tmp_path / "keys.txt"
     keys.write_text("alice:sk-alice-0123456789\n")
+    grpc_port = free_port()
     args = [*_model_args(tiny_config, tiny_checkpoint), "--api-keys", str(keys)]
+    args += ["--grpc-port", str(grpc_port)]
     alice = {"Authorization": "Bearer sk-alice-0123456789"}
+    alice_grpc = {"authorization": "Bearer sk-alice-0123456789"}
     log = tmp_path / "server.log"
     sent = {  # request id -> (headers, body, the status it must get)
         "req-ok": ({**PNG, **alice}, marked_png(1), 200),
@@ -78,6 +83,9 @@ def test_one_process_writes_json_lines_and_an_access_line_per_request(
         for rid, (headers, body, status) in sent.items():
             r = client.post("/embed", content=body, headers={**headers, "X-Request-Id": rid})
             assert r.status_code == status, (rid, r.text)
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as grpc:
+            ready = grpc.is_server_ready(headers={"x-request-id": "grpc-ready", **alice_grpc})
+            assert ready
     entries = _lines(log)  # the server has stopped: its last lines are written
 
     access = _access(entries)
@@ -93,6 +101,15 @@ def test_one_process_writes_json_lines_and_an_access_line_per_request(
     assert access["req-ok"]["items"] == 1 and access["req-ok"]["key"] == "alice"
     assert access["req-bad"]["items"] == 1  # parsed: one image, which did not decode
     assert access["req-nokey"]["key"] is None
+    route = "/inference.GRPCInferenceService/ServerReady"
+    line = access["grpc-ready"]  # the same fields, from the gRPC door
+    assert (line["method"], line["route"], line["path"], line["status"]) == (
+        "GRPC",
+        route,
+        route,
+        200,
+    )
+    assert line["client"] and line["duration_ms"] > 0 and line["items"] is None, line
     # The executor's failure, its traceback in the same object as its message.
     failures = [e for e in entries if "exception" in e and "req-fail" in e["message"]]
     assert failures, "the failed batch's error, with its exception"

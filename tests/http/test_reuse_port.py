@@ -1,4 +1,4 @@
-"""`--reuse-port`'s sockets (http/server.py): the supervisor holds the port bound with
+"""`--reuse-port`'s sockets (http/listeners.py): the supervisor holds the port bound with
 SO_REUSEPORT, each front end listens on a socket of its own beside it, and the kernel spreads new
 connections over the listening ones. Real sockets on loopback, no server processes."""
 
