@@ -119,6 +119,12 @@ class Metrics:
         self.request_duration = _latency(
             "clipserve_request_duration_seconds", "Whole request time", ["route"], r
         )
+        # Not requests_total: refused before routing (http/guarded.py), probes served instead.
+        self.connections_refused = Counter(
+            "clipserve_connections_refused",
+            "Connections answered 503 past --max-connections",
+            registry=r,
+        )
         self.stage_duration = _latency(
             "clipserve_stage_duration_seconds", "Time per request stage", ["stage", "protocol"], r
         )

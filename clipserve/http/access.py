@@ -27,24 +27,12 @@ from clipserve.errors import RateLimited, Unauthorized
 from clipserve.http.buckets import BucketTable, retry_after
 from clipserve.http.charges import Charge, charging, current_charge
 from clipserve.http.keys import Grant, KeyFile, Rate, anonymous, parse_rate, read_keys
+from clipserve.http.probes import METRICS_PATHS, OPEN_PATHS
 from clipserve.metrics import rate_limited_counter
 
 if TYPE_CHECKING:  # the supervisor imports check_access: not the doors and the pipeline
     from clipserve.http.status import ErrorPages
 
-# Probes: a load balancer or kubelet holds no key.
-OPEN_PATHS = frozenset(
-    {
-        "/healthz",
-        "/readyz",
-        "/v2/health/live",
-        "/v2/health/ready",
-        "/health",
-        "/v1/health/live",
-        "/v1/health/ready",
-    }
-)
-METRICS_PATHS = frozenset({"/metrics", "/v1/metrics"})
 _BEARER = b"bearer "
 
 

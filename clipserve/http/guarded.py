@@ -28,6 +28,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 from clipserve.config import HttpConfig
 from clipserve.http.connections import Refusals
 from clipserve.http.cycle import Cycle, EarlyAnswerCycle
+from clipserve.http.observer import new_request_id
+from clipserve.http.probes import asks_probe
 from clipserve.http.request import WATCH_SCOPE_KEY, DisconnectWatch
 from clipserve.protocol.responses import encode_error
 
@@ -42,6 +44,9 @@ FRAMING_SLACK = 256
 # Requests read ahead of their answers on one connection (HTTP/1.1 pipelining): each is a
 # cycle and its scope, and one 256 KiB read holds ~10k small ones. More get a 503.
 MAX_PIPELINED = 64
+# Past --max-connections, how long a connection may take to send its request line: a probe's
+# is served, anything else (or nothing) gets a 503.
+REFUSAL_WAIT_S = 1.0
 
 
 class _StopParsing(Exception):
@@ -65,8 +70,8 @@ def error_bytes(
 
 class GuardedHttpProtocol(HttpToolsProtocol):
     """`HttpToolsProtocol` with a header byte cap (431), a header timeout (408, or a silent
-    close when nothing was sent), a cap on open connections (503 at once) and on all sockets
-    (accepting pauses), a cap on a chunked body's framing bytes (400), JSON 400s that follow
+    close when nothing was sent), a cap on open connections (503 to all but probes) and on all
+    sockets (accepting pauses), a cap on a chunked body's framing bytes (400), JSON 400s that follow
     the answers to the requests before the bad bytes, a lingering close whenever the
     server answers before the request body has arrived, a cap on pipelined requests (503), a
     client that takes none of its answer for --header-timeout-s aborted, and a request that asks
@@ -84,6 +89,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._linger_deadline = 0.0
         self._linger_bytes = -1  # -1: not lingering; else bytes dropped since the last check
         self._refused = False
+        self._held: bytes | None = None  # refused, its request line awaited (asks_probe)
+        self._open_before = 0
         self._draining = False  # shut down before its first request's headers arrived
         # A refusal waiting for the answer to the request before it; what arrives meanwhile
         # is dropped (the parser has failed).
@@ -118,18 +125,36 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._watch.listen = self.flow.resume_reading
         open_before = len(self.connections) - refusals.closing - 1
         if open_before >= self.limits.max_connections:
-            # Answered at once, before the request arrives: refusing must stay cheap for a
-            # flood, and the client reads the answer after it has sent its request.
+            # Refused once its request line shows it is not a probe's (those are served, then
+            # the connection closes), or after REFUSAL_WAIT_S: cheap for a flood all the same.
             self._refused = True
             refusals.closing += 1
             refusals.log(open_before)
-            message = f"{open_before} connections open, the limit (--max-connections)"
-            transport.write(self._error(503, "overloaded", message, [(b"retry-after", b"1")]))
-            self.close_lingering()
+            self._held = b""
+            self._open_before = open_before
+            wait = min(REFUSAL_WAIT_S, self.limits.header_timeout_s)
+            self._header_timer = self.loop.call_later(wait, self._refuse_connection)
             return
+        self._start_header_timer()
+
+    def _start_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
         self._header_timer = self.loop.call_later(
             self.limits.header_timeout_s, self._header_timeout
         )
+
+    def _refuse_connection(self) -> None:
+        """The 503 of a connection past --max-connections, then a lingering close."""
+        self._held = None
+        pipeline = self.app_state.get("pipeline")
+        if pipeline is not None:  # the lifespan's; not there before it starts
+            pipeline.metrics.connections_refused.inc()
+            pipeline.metrics.requests.labels("other", "503").inc()  # the 503 alert's too
+        message = f"{self._open_before} connections open, the limit (--max-connections)"
+        extra = [(b"retry-after", b"1"), (b"x-request-id", new_request_id().encode())]
+        self.transport.write(self._error(503, "overloaded", message, extra))
+        self.close_lingering()
 
     def connection_lost(self, exc: Exception | None) -> None:
         for timer in (self._header_timer, self._linger_timer, self._stall_timer):
@@ -160,6 +185,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # Reading
 
     def data_received(self, data: bytes) -> None:
+        if self._held is not None:  # refused unless it asks for a probe
+            data = self._held + data
+            probe = asks_probe(data)
+            self._held = data if probe is None else None
+            if probe is None:
+                return
+            if not probe:
+                self._refuse_connection()
+                return
+            self._start_header_timer()
         if self._linger_bytes >= 0:
             self._linger_bytes += len(data)
             return
@@ -267,8 +302,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             cast(Cycle, cycle).adopt()
         if upgrade:  # what follows its body is dropped: a lingering close, no reset
             cast(Cycle, self.cycle).linger(self)
-        elif self._draining:
-            self.cycle.keep_alive = False  # the one request a draining server still takes
+        elif self._draining or self._refused:
+            # The one request a draining server still takes; a probe's past the limit.
+            self.cycle.keep_alive = False
         pipeline = self.pipeline
         if pipeline and pipeline[0][0] is cycle and previous is not None:
             # uvicorn marks only its latest cycle disconnected when the client goes: see

@@ -251,13 +251,54 @@ def test_connections_over_the_cap_are_refused_fast_and_logged(
         held.append(sock)
     t0 = time.monotonic()
     refused = connect(server)
-    refused.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+    refused.sendall(b"GET /info HTTP/1.1\r\nHost: t\r\n\r\n")
     status, headers, body = read_response(refused)
     assert status == 503 and error_code(body) == "overloaded", body
     assert headers["retry-after"] == "1" and b"--max-connections" in body
+    assert headers["x-request-id"]
     assert time.monotonic() - t0 < 0.5
     assert closed_within(refused, 3)
     assert any("--max-connections" in r.getMessage() for r in caplog.records), caplog.text
     held.pop().close()
     # The freed slot is taken by the next client.
     until(lambda: healthz_status(server) == 200, 3, "a closed connection freeing its slot", 0.05)
+
+
+def test_probes_and_scrapes_past_the_cap_are_served_and_the_rest_refused(serve: Serve) -> None:
+    """A replica full of connections is busy, not dead: its liveness and readiness probes and
+    Prometheus's scrape are answered (then the connection closes); other requests, a request
+    line that never ends and a connection that sends nothing get the 503, each counted."""
+    server = serve(backend="fake", max_connections=2, header_timeout_s=10, linger_timeout_s=1)
+    for _ in range(2):
+        sock = connect(server)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert read_response(sock)[0] == 200
+    for method, path in [("GET", "/healthz"), ("HEAD", "/readyz"), ("GET", "/v2/health/ready")]:
+        sock = connect(server)
+        sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+        response = http.client.HTTPResponse(sock, method=method)
+        response.begin()
+        assert response.status == 200, (method, path, response.read())
+        assert response.getheader("connection") == "close"
+    split = connect(server)  # the request line in two writes
+    split.sendall(b"GET /metr")
+    time.sleep(0.2)
+    split.sendall(b"ics?x=1 HTTP/1.1\r\nHost: t\r\n\r\n")
+    status, _, body = read_response(split)
+    assert status == 200 and b"clipserve_connections_refused_total 0.0" in body, body[:200]
+    refusals = [
+        b"POST /embed/text HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\n{}",
+        b"GET /healthzz HTTP/1.1\r\nHost: t\r\n\r\n",
+        b"GET /" + b"a" * 9000,  # no line end within the request line's cap
+        b"",  # nothing: refused after the wait
+    ]
+    for sent in refusals:
+        sock = connect(server)
+        sock.sendall(sent)
+        status, _, body = read_response(sock)
+        assert status == 503 and error_code(body) == "overloaded", (sent[:40], body)
+    sock = connect(server)
+    sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
+    _, _, body = read_response(sock)
+    assert b"clipserve_connections_refused_total 4.0" in body
+    assert b'clipserve_requests_total{route="other",status="503"} 4.0' in body
