@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-ARGS   ?= --pretrained none
+ARGS   ?=
 PYTEST_ARGS ?=
 
 .PHONY: serve test test-slow coverage check lint bench bench-report gpu-check perf-analyzer-env pytriton-env constraints clean
@@ -28,7 +28,7 @@ constraints:
 	mv constraints.new constraints.txt && rm -rf .constraints-venv
 
 serve: $(STAMP)
-	$(BIN)/clipserve $(ARGS)
+	$(BIN)/clipserve --pretrained none $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -63,7 +63,7 @@ check: lint test
 bench: $(STAMP)
 	$(BIN)/python -m bench.served_vs_offline
 
-# The whole benchmark report into bench/results/<date>-<machine>/ (~15 min here; ARGS=--quick: < 5).
+# The whole benchmark report into bench/results/<date>-<machine>/ (~12 min here; ARGS=--quick: ~2).
 bench-report: ARGS =
 bench-report: $(STAMP)
 	$(BIN)/clipserve-bench report $(ARGS)

@@ -23,7 +23,7 @@ from clipserve.errors import (
 # A failing batch is split in halves, and failing halves again, this many times at most: enough
 # to isolate single items in batches of up to 256, and bounded when every item fails.
 MAX_SPLIT_DEPTH = 8
-LOST = "the device was lost before this image was computed; retry"
+LOST = "the device was lost before this item was computed; retry"
 # Rows the executor did not compute: the batch failed, or the device was lost under it.
 UNANSWERED = (ExecutorFailed, NotReady)
 # A place in a batch's outcome before its row or error is written; never answered with.

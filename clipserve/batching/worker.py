@@ -225,7 +225,7 @@ class DeviceWorker:
             why = NotReady(LOST)
             raise
         except Exception:
-            why = NotReady("the device worker stopped before this image was computed; retry")
+            why = NotReady("the device worker stopped before this item was computed; retry")
             raise
         finally:
             for task in tasks:

@@ -5,8 +5,9 @@ content hash and pixel size: a file with all of these unchanged is not read agai
 are kept by content hash, per model identity (the server's `/info` "model", e.g.
 "ViT-B-32/laion2b_s34b_b79k"), under `embeddings/<model>/part-*.npz`: a part is written after
 every batch the server answers, so an interrupted run loses at most one batch, and a renamed
-or copied file is never embedded again. A model with random weights ("<name>/random") is a new
-model each time it loads: its embeddings are never kept.
+or copied file is never embedded again. A model with random weights ("<name>/random") stands
+for no trained model (its weights follow torch's generator, and a fake backend takes the same
+name): its embeddings are never kept.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from clipserve.inference.preprocess import PreprocessSpec
 
 log = logging.getLogger(__name__)
 TOKENIZER_CACHE_ENTRIES = 50_000
+RANDOM_WEIGHTS_SEED = 0  # --pretrained none: the same weights in every process (load_model)
 # open_clip's BPE (pure Python) is quadratic in a word's length: a 1000-letter "word" took
 # ~40 ms, and a request of 64 such texts held the text tower for seconds. Longer runs of
 # letters are cut into pieces this long: real words, German compounds and CamelCase names are
@@ -176,7 +177,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if config.checkpoint:
         pretrained = None
     try:
-        module = open_clip.create_model(name, pretrained=pretrained)
+        # Random weights from one seed: every process (front ends' engine, a client's local
+        # mode, an export) builds the same model, so their vectors and exports agree.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(RANDOM_WEIGHTS_SEED)
+            module = open_clip.create_model(name, pretrained=pretrained)
     except Exception as e:  # unknown tag, hub unreachable, partial download, ...
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         if pretrained is None:  # no weights asked for: the model itself could not be built

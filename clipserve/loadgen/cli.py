@@ -16,7 +16,7 @@ from pathlib import Path
 from clipserve.loadgen.images import load_images, parse_size
 from clipserve.loadgen.loadgen import LoadSpec, run_async
 from clipserve.loadgen.output import csv_text, details, plot, table, write_json
-from clipserve.loadgen.payloads import ACCEPT, KINDS, ModelInput, build_requests
+from clipserve.loadgen.payloads import ACCEPT, KINDS, NO_CACHE, ModelInput, build_requests
 from clipserve.loadgen.runner import PointResult, run_point
 from clipserve.loadgen.server import fetch_info
 
@@ -116,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     body.add_argument(
         "--accept", default="json", choices=list(ACCEPT), help="response format asked for"
     )
+    body.add_argument(
+        "--use-cache",
+        action="store_true",
+        help="let the server answer the repeated images from its embedding cache (by default "
+        "each request says Cache-Control: no-cache, so the model is measured, not the cache)",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--json", type=Path, help="write every result (with HDR histograms)")
     out.add_argument("--csv", type=Path, help="write one row per load point")
@@ -170,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
             images_per_request=n,
             tensor_dtype=args.tensor_dtype,
             accept=ACCEPT[args.accept],
+            extra_headers={} if args.use_cache else NO_CACHE,
         )
     except ValueError as e:
         print(f"clipserve-bench: {e}", file=sys.stderr)

@@ -21,6 +21,9 @@ from clipserve.loadgen.images import SourceImage, encode
 from clipserve.protocol.kserve import DEFAULT_OUTPUT, TEXT_SUFFIX, build_infer_request
 from clipserve.protocol.openai import build_embeddings_request
 
+# A benchmark sends a few payloads over and over: without this, an embedding cache would answer
+# them (what the server's `cache` stage measures), not the model.
+NO_CACHE = {"Cache-Control": "no-cache"}
 ACCEPT = {
     "json": "application/json",
     "msgpack": "application/msgpack",
@@ -287,8 +290,10 @@ def build_requests(
     variants: int = 8,
     tensor_dtype: str = "uint8",
     accept: str = "application/json",
+    extra_headers: Mapping[str, str] | None = None,
 ) -> list[Request]:
-    """Up to `variants` distinct requests of kind `name`, rotating over `sources`."""
+    """Up to `variants` distinct requests of kind `name`, rotating over `sources`, each with
+    `extra_headers`."""
     k = kind(name)
     n = 1 if k.single else images_per_request
     if n < 1:
@@ -301,6 +306,14 @@ def build_requests(
     crops: dict[int, np.ndarray] = {}
     for v in range(max(1, min(variants, len(sources)))):
         images = [sources[(v * n + i) % len(sources)] for i in range(n)]
-        ctx = Context(images, model, tensor_dtype=tensor_dtype, accept=accept, index=v, crops=crops)
+        ctx = Context(
+            images,
+            model,
+            tensor_dtype=tensor_dtype,
+            accept=accept,
+            index=v,
+            crops=crops,
+            extra_headers=extra_headers or {},
+        )
         out.append(k.build(ctx))
     return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,3 +80,19 @@ def test_accept_queues_read_tcp_migrate_req(
     monkeypatch.setattr(doctor, "MIGRATE_REQ", path)
     found = doctor._accept_queues(reuse_port=True)
     assert found.status == status and says in found.detail
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    """`clipserve doctor --json | head`: its output meets a closed pipe; the exit is quiet."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clipserve", "doctor", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # gone before a byte is read
+    with proc.stderr:
+        err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import uvicorn
@@ -284,6 +285,31 @@ def test_cli_sweeps_and_writes_table_json_csv_and_plot(
     assert len(rows) == 3 and rows[0].startswith("mode,load,req/s")
     assert Path(f"{out}.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["--url", server.url, "--payload", "jpeg", "-b", "4", "-n", "1"]) == 2  # refused
+
+
+def test_the_cli_measures_the_model_not_the_cache_unless_asked(
+    serve: Serve, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It sends a few images over and over: each request says Cache-Control: no-cache, so an
+    embedding cache answers none of them (--use-cache lets it)."""
+    from clipserve.loadgen.cli import main
+
+    server = serve(backend="fake", cache_mb="16")
+    argv = ["--url", server.url, "-c", "1", "-n", "16", "--warmup", "0", "--image-size", "64x48"]
+
+    def hits() -> float:
+        text = httpx.get(server.url + "/metrics").text
+        return sum(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith('clipserve_cache_hits_total{tower="image"}')
+        )
+
+    assert main(argv) == 0
+    assert hits() == 0
+    assert main([*argv, "--use-cache"]) == 0
+    assert hits() >= 8  # 16 requests of 8 distinct images
+    capsys.readouterr()
 
 
 def test_benchmark_servers_keep_off_tritons_grpc_port(monkeypatch: pytest.MonkeyPatch) -> None:
