@@ -31,6 +31,8 @@ from clipserve.http.probes import METRICS_PATHS, OPEN_PATHS
 from clipserve.metrics import rate_limited_counter
 
 if TYPE_CHECKING:  # the supervisor imports check_access: not the doors and the pipeline
+    from starlette.routing import Route
+
     from clipserve.http.status import ErrorPages
 
 _BEARER = b"bearer "
@@ -157,7 +159,7 @@ class AccessGuard:
         app: ASGIApp,
         access: Access,
         pages: ErrorPages,
-        inference: Callable[[Scope], bool],
+        inference: Callable[[Scope], tuple[Route, Scope] | None],
     ) -> None:
         self.app = app
         self.access = access
@@ -171,6 +173,7 @@ class AccessGuard:
         path = scope["path"]
         grant = self.access.grant_for(scope["headers"])
         if grant is None:
+            self._label(scope)
             sent = any(n in (b"authorization", b"x-api-key") for n, _ in scope["headers"])
             problem = (
                 "the API key is not valid"
@@ -185,6 +188,7 @@ class AccessGuard:
         if scope["method"] == "POST" and grant.rate is not None and self.inference(scope):
             wait = self.access.wait_s(grant)
             if wait > 0:  # refused before the body is read
+                self._label(scope)
                 error = self.access.refused(grant, grant.rate, wait)
                 response = self.pages.render(
                     path, 429, error.code, error.message, error.retry_after_s
@@ -193,6 +197,13 @@ class AccessGuard:
                 return
         with charging(grant):
             await self.app(scope, receive, send)
+
+    def _label(self, scope: Scope) -> None:
+        """A refusal of an inference POST is counted and logged under its route, as its answer
+        would have been (the router, which names it otherwise, is not reached)."""
+        found = self.inference(scope) if scope["method"] == "POST" else None
+        if found is not None:
+            scope["route"] = found[0]
 
 
 class MeteredTower(Generic[TicketT]):

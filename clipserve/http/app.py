@@ -237,7 +237,7 @@ def create_app(
     inference = InferenceRoutes(routes)
     app.add_middleware(FastLane, routes=inference, handlers=handlers)
     if access is not None:  # inside the observer: its answers get a request id and a count
-        app.add_middleware(AccessGuard, access=access, pages=pages, inference=inference.serves)
+        app.add_middleware(AccessGuard, access=access, pages=pages, inference=inference.find)
     tracing = request_tracing(config.http.otel_endpoint)
     app.add_middleware(RequestObserver, metrics=metrics, pages=pages, tracing=tracing)
     return app

@@ -92,9 +92,6 @@ class InferenceRoutes:
         route, params = cast("tuple[Route, dict[str, Any]]", seen)
         return route, {"endpoint": route.endpoint, "path_params": dict(params)}
 
-    def serves(self, scope: Scope) -> bool:
-        return self.find(scope) is not None
-
     def _match(self, scope: Scope) -> tuple[Route, Scope] | None:
         found = first_match(self.routes, scope)
         if found is None or not _fast(found[0]):

@@ -297,6 +297,8 @@ def test_triton_shape_for_429(server: RunningServer) -> None:
     r = httpx.post(url, json=body, headers=headers)
     assert r.status_code == 429 and isinstance(r.json()["error"], str), r.text
     assert "team-d" in r.json()["error"] and 1 <= int(r.headers["retry-after"]) <= 100
+    # Refused before the router, counted under its route all the same (not "other").
+    assert metric(server, 'clipserve_requests_total{route="/v2/models/{name}/infer",status="429"}')
 
 
 def test_without_keys_a_rate_limit_is_one_bucket_for_everyone(serve: Serve) -> None:

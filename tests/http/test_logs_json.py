@@ -92,9 +92,8 @@ def test_one_process_writes_json_lines_and_an_access_line_per_request(
     for rid, (_, _, status) in sent.items():
         line = access[rid]
         assert line["status"] == status, line
-        # Refused before routing: the route is the metrics' label for no route, "other".
-        route = "other" if rid == "req-nokey" else "/embed"
-        assert (line["method"], line["route"], line["path"]) == ("POST", route, "/embed")
+        # Refused before routing (no key), it is still labelled by its route.
+        assert (line["method"], line["route"], line["path"]) == ("POST", "/embed", "/embed")
         assert line["client"].startswith("127.0.0.1:"), line
         assert line["duration_ms"] > 0, line
         assert line["level"] == "info" and line["role"] == "main", line
