@@ -144,6 +144,15 @@ class Metrics:
             ["device"],
             registry=r,
         )
+        # A model fault answered as the item's 422: counted apart from the clients' own errors.
+        self.non_finite = Counter(
+            "clipserve_non_finite_items",
+            "Items whose embedding came out NaN or infinite (refused, never sent)",
+            ["tower"],
+            registry=r,
+        )
+        for tower in ("image", "text"):  # from 0, so a first one is an increase
+            self.non_finite.labels(tower)
         self.batch_failures = Counter(
             "clipserve_batch_failures", "Batches failed by the executor", ["device"], registry=r
         )

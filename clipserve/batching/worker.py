@@ -48,7 +48,13 @@ from clipserve.batching.cost import CostModel
 from clipserve.batching.on_device import compute_pixels
 from clipserve.batching.queue import BatchQueue, WorkItem, is_encoded, resolve
 from clipserve.batching.tower import TowerKind
-from clipserve.errors import ClipserveError, ExecutorFailed, ExecutorFatal, NotReady
+from clipserve.errors import (
+    ClipserveError,
+    ExecutorFailed,
+    ExecutorFatal,
+    NonFiniteEmbedding,
+    NotReady,
+)
 from clipserve.metrics import Metrics
 
 if TYPE_CHECKING:  # imports torch: only with --decode gpu
@@ -403,6 +409,9 @@ class DeviceWorker:
             self.metrics.batch_retries.labels(self.device).inc(outcome.retries)
             self._log_failure(batch.items, outcome)
         if outcome.block is None:
+            bad = sum(1 for row in outcome.rows if isinstance(row, NonFiniteEmbedding))
+            if bad:
+                self.metrics.non_finite.labels(self.kind).inc(bad)
             for item, row in zip(batch.items, outcome.rows, strict=True):
                 item.finished_at = finished
                 resolve(item, row)

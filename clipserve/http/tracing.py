@@ -17,7 +17,12 @@ from urllib.parse import urlsplit
 
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import (
+    PROCESS_PID,
+    SERVICE_NAME,
+    OTELResourceDetector,
+    Resource,
+)
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
@@ -48,8 +53,12 @@ class RequestTracing:
 
     @classmethod
     def otlp(cls, endpoint: str) -> RequestTracing:
-        """Spans exported in batches to the OTLP/HTTP collector at `endpoint`."""
-        resource = Resource.create({"service.name": "clipserve", "process.pid": os.getpid()})
+        """Spans exported in batches to the OTLP/HTTP collector at `endpoint`, from the service
+        "clipserve" unless the standard variables name another."""
+        # The SDK's detection (OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME) goes over ours, so
+        # "clipserve" is only the default name; the sampler is the SDK's (OTEL_TRACES_SAMPLER).
+        ours = Resource.create({SERVICE_NAME: "clipserve", PROCESS_PID: os.getpid()})
+        resource = ours.merge(OTELResourceDetector().detect())
         provider = TracerProvider(resource=resource)
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(traces_url(endpoint))))
         return cls(provider)

@@ -229,6 +229,8 @@ def test_splitting_is_bounded_when_every_item_fails() -> None:
 
 
 def test_non_finite_row_fails_only_its_item() -> None:
+    metrics = Metrics()
+
     async def test(batcher: Batcher, fakes: list[FakeExecutor]) -> None:
         bad, good = await asyncio.gather(
             submit(batcher, 5), submit(batcher, 6), return_exceptions=True
@@ -239,8 +241,13 @@ def test_non_finite_row_fails_only_its_item() -> None:
         assert fakes[0].batches == [2]  # one batch: the row, not the batch, was refused
         with pytest.raises(NonFiniteEmbedding, match="item 1: "):
             await submit(batcher, 6, 5, 6)  # in a list, the error names the item
+        # A model fault, counted apart from clients' errors (alerts.yml watches it).
+        count = metrics.registry.get_sample_value(
+            "clipserve_non_finite_items_total", {"tower": "image"}
+        )
+        assert count == 2
 
-    run(test, nan_pixel=5, delay_ms=50)
+    run(test, nan_pixel=5, delay_ms=50, metrics=metrics)
 
 
 def test_huge_finite_outputs_normalise_to_unit_length() -> None:

@@ -345,6 +345,21 @@ def test_the_pod_fits_the_server(variants: dict[str, list[Manifest]], variant: s
     assert {"/tmp", "/dev/shm", str(Path(config.model.cache_dir).parent)} <= writable
 
 
+# The idle timeout of the balancers most often in front of the pods: ingress-nginx's upstream
+# keep-alive and AWS ALB's default. A server closing idle connections sooner races the balancer
+# reusing one: a request sent as the server closes is a 502.
+BALANCER_IDLE_TIMEOUT_S = 60
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_keep_alive_outlasts_the_balancers_idle_timeout(
+    variants: dict[str, list[Manifest]], variant: str
+) -> None:
+    objects = variants[variant]
+    assert float(server_env(objects)["CLIPSERVE_KEEP_ALIVE_TIMEOUT_S"]) > BALANCER_IDLE_TIMEOUT_S
+    assert served_config(objects).http.keep_alive_timeout_s > BALANCER_IDLE_TIMEOUT_S
+
+
 _SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9}
 
 

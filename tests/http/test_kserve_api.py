@@ -217,6 +217,44 @@ def test_unknown_v2_path_and_compressed_body_answer_triton_errors(server: Runnin
     assert r.status_code == 415 and "Content-Encoding gzip" in r.json()["error"]
 
 
+# A method each KServe route does not take, and the methods it does (Allow). Model names may
+# hold slashes, so a GET of an inference path used to reach the metadata route as the model
+# "<name>/infer" (404 "unknown model").
+WRONG_METHODS = [
+    ("GET", "/v2/models/{m}/infer", "POST"),
+    ("HEAD", "/v2/models/{m}/infer", "POST"),
+    ("GET", "/v2/models/{m}/versions/1/infer", "POST"),
+    ("GET", "/v2/models/{m}-text/infer", "POST"),
+    ("PUT", "/v2/models/{m}/infer", "POST"),
+    ("POST", "/v2/models/{m}", "GET, HEAD"),
+    ("POST", "/v2/models/{m}/versions/1", "GET, HEAD"),
+    ("POST", "/v2/models/{m}/ready", "GET, HEAD"),
+    ("POST", "/v2/models/{m}/config", "GET, HEAD"),
+    ("POST", "/v2/models/{m}/versions/1/stats", "GET, HEAD"),
+    ("POST", "/v2/models/stats", "GET, HEAD"),
+    ("GET", "/v2/repository/index", "POST"),
+    ("POST", "/v2/health/ready", "GET, HEAD"),
+    ("DELETE", "/v2", "GET, HEAD"),
+    ("GET", "/v2/systemsharedmemory/region/r/register", "POST"),
+]
+
+
+def _methods(allow: str) -> set[str]:
+    return {method.strip() for method in allow.split(",")}
+
+
+@pytest.mark.parametrize(("method", "path", "allow"), WRONG_METHODS)
+def test_a_method_a_route_does_not_take_is_405_with_allow(
+    server: RunningServer, method: str, path: str, allow: str
+) -> None:
+    url = server.url + path.format(m=model_name(server))
+    r = httpx.request(method, url, timeout=30)
+    assert r.status_code == 405, r.text
+    assert _methods(r.headers["allow"]) == _methods(allow)  # Starlette's order is a set's
+    if method != "HEAD":  # Triton's error shape, as tritonclient reads it
+        assert r.json() == {"error": f"{method} {url.removeprefix(server.url)}: Method Not Allowed"}
+
+
 def test_overload_is_503_with_retry_after(serve: Serve) -> None:
     server = serve(
         backend="fake",

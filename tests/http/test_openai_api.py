@@ -238,6 +238,27 @@ def test_wire_level_shapes(server: RunningServer) -> None:
     assert plain.status_code == 200, plain.text
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("GET", "/v1/embeddings", {"POST"}),
+        ("HEAD", "/v1/embeddings", {"POST"}),
+        ("GET", "/embeddings", {"POST"}),  # Infinity's path
+        ("POST", "/v1/models", {"GET", "HEAD"}),
+        ("DELETE", "/v1/models/{m}", {"GET", "HEAD"}),
+    ],
+)
+def test_a_method_a_route_does_not_take_is_405_in_openais_shape(
+    server: RunningServer, method: str, path: str, allow: set[str]
+) -> None:
+    r = httpx.request(method, server.url + path.format(m=model_name(server)), timeout=30)
+    assert r.status_code == 405, r.text
+    assert {m.strip() for m in r.headers["allow"].split(",")} == allow
+    if method != "HEAD":
+        error = r.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "method_not_allowed")
+
+
 def test_overload_is_a_server_error_with_retry_after(serve: Serve) -> None:
     server = serve(
         backend="fake",

@@ -46,6 +46,7 @@ class Span:
     status: int
     attributes: dict[str, Any]
     pid: int  # the exporting process's (its resource's process.pid)
+    resource: dict[str, Any]  # the exporting process's resource: service.name and the rest
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Collector:
                         s.status.code,
                         _attributes(s.attributes),
                         int(resource["process.pid"]),
+                        resource,
                     )
                     with self.lock:
                         self.spans.append(span)
@@ -108,6 +110,9 @@ def collector(monkeypatch: pytest.MonkeyPatch) -> Iterator[Collector]:
     # The SDK's batches leave every 50 ms rather than every 5 s (read by BatchSpanProcessor, in
     # this process and in the servers started from it).
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    # The resource as the test sets it, whatever the shell running the tests exports.
+    for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        monkeypatch.delenv(name, raising=False)
     received = Collector()
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -165,6 +170,7 @@ def test_a_request_is_a_server_span_with_its_stages_inside(
     assert span.attributes["http.response.status_code"] == 200
     assert span.attributes["clipserve.items"] == 1
     assert span.status != ERROR_STATUS
+    assert span.resource["service.name"] == "clipserve"  # no OTEL_SERVICE_NAME: the default
 
     # One child per stage the answer's Server-Timing reports, as long as it says, inside the
     # request's span.
@@ -180,6 +186,26 @@ def test_a_request_is_a_server_span_with_its_stages_inside(
         assert abs((child.end_ns - child.start_ns) / 1e6 - timing[name]) < 0.002, name
     # The span ends once the answer is sent, a little after Server-Timing's total is taken.
     assert (span.end_ns - span.start_ns) / 1e6 > total_ms - 1
+
+
+@needs_otel
+def test_the_standard_variables_name_the_service(
+    serve: Serve, collector: Collector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OTEL_SERVICE_NAME names the service, over OTEL_RESOURCE_ATTRIBUTES' service.name (as
+    the specification orders them), whose other attributes reach the collector too."""
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "clip-images")
+    attributes = "service.name=ignored,deployment.environment.name=staging"
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", attributes)
+    server = serve(backend="fake", otel_endpoint=collector.url)
+    headers = {**PNG, "X-Request-Id": "named"}
+    r = httpx.post(server.url + "/embed", content=marked_png(1), headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    until(lambda: collector.request("named") is not None, 30, "the request's span exported")
+    span = collector.request("named")
+    assert span is not None
+    assert span.resource["service.name"] == "clip-images"
+    assert span.resource["deployment.environment.name"] == "staging"
 
 
 @needs_otel

@@ -17,7 +17,8 @@ import numpy as np
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Match, Route
+from starlette.types import Scope
 
 from clipserve.batching.tower import TowerKind
 from clipserve.config import LimitsConfig
@@ -225,6 +226,23 @@ async def repository_index(request: Request) -> Response:
     return _json(codec.repository_index(models))
 
 
+# What may follow a model's path: `.../{name}/infer` is always inference, never the metadata
+# of a model named "{name}/infer", for every method.
+ACTIONS = frozenset({"ready", "config", "stats", "infer"})
+
+
+class MetadataRoute(Route):
+    """`GET /v2/models/{name}[/versions/{version}]`, whose {name} may hold slashes, except on a
+    path that ends in an action: there a method the action does not take (GET .../infer) is
+    its 405 with Allow, not the metadata of an unknown model "{name}/infer"."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child = super().matches(scope)
+        if match is not Match.NONE and scope["path"].rpartition("/")[2] in ACTIONS:
+            return Match.NONE, {}
+        return match, child
+
+
 class KServeDoor:
     error_prefixes = ("/v2",)
 
@@ -250,8 +268,8 @@ class KServeDoor:
                     inference_route(prefix + "/infer", Infer.of),
                 )
             ),
-            Route(version, model_metadata, methods=["GET"]),
-            Route(model, model_metadata, methods=["GET"]),
+            MetadataRoute(version, model_metadata, methods=["GET"]),
+            MetadataRoute(model, model_metadata, methods=["GET"]),
         ]
 
     def render_error(self, status: int, code: str, message: str) -> Response:
