@@ -47,6 +47,10 @@ class Outcome:
     def clean(self) -> bool:
         return not self.retries and not self.errors and self.fatal is None
 
+    def non_finite(self) -> int:
+        """Rows refused for NaN or infinity: a model fault, counted apart from clients'."""
+        return sum(1 for row in self.rows if isinstance(row, NonFiniteEmbedding))
+
 
 def compute(
     executor: Executor, arrays: list[np.ndarray], mask: np.ndarray, failed: Exception | None = None

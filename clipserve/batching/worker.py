@@ -48,13 +48,7 @@ from clipserve.batching.cost import CostModel
 from clipserve.batching.on_device import compute_pixels
 from clipserve.batching.queue import BatchQueue, WorkItem, is_encoded, resolve
 from clipserve.batching.tower import TowerKind
-from clipserve.errors import (
-    ClipserveError,
-    ExecutorFailed,
-    ExecutorFatal,
-    NonFiniteEmbedding,
-    NotReady,
-)
+from clipserve.errors import ClipserveError, ExecutorFailed, ExecutorFatal, NotReady
 from clipserve.metrics import Metrics
 
 if TYPE_CHECKING:  # imports torch: only with --decode gpu
@@ -409,7 +403,7 @@ class DeviceWorker:
             self.metrics.batch_retries.labels(self.device).inc(outcome.retries)
             self._log_failure(batch.items, outcome)
         if outcome.block is None:
-            bad = sum(1 for row in outcome.rows if isinstance(row, NonFiniteEmbedding))
+            bad = outcome.non_finite()
             if bad:
                 self.metrics.non_finite.labels(self.kind).inc(bad)
             for item, row in zip(batch.items, outcome.rows, strict=True):

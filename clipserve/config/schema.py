@@ -62,8 +62,9 @@ class BackendConfig:
     )
     decode: str = _opt(
         "cpu",
-        "where JPEGs are decoded: cpu (the decode pool, Pillow) or gpu (in batches on each "
-        "device by nvJPEG, just before the forward pass; on a CPU device, torchvision's)",
+        "where JPEGs are decoded: cpu (the decode pool: simplejpeg, else Pillow) or gpu (in "
+        "batches on each device by nvJPEG, just before the forward pass; on a CPU device, "
+        "torchvision's)",
         choices=DECODERS,
     )
     jpeg_scaling: str = _opt(
@@ -142,6 +143,17 @@ class HttpConfig:
     grpc_port: int = _opt(
         8001, "port of the KServe v2 / Triton gRPC service (Triton's default) on --host; 0: off"
     )
+    grpc_max_connection_idle_s: float = _opt(
+        300.0,
+        "a gRPC connection with no call for this long is closed (GOAWAY), so idle channels do "
+        "not hold sockets; 0 = never",
+    )
+    grpc_max_connection_age_s: float = _opt(
+        0.0,
+        "a gRPC connection older than this is closed gracefully (GOAWAY; calls in flight get "
+        "--request-timeout-s), so clients reconnect and spread over replicas added since; "
+        "0 = never",
+    )
     workers: int = _opt(
         1,
         "HTTP front-end processes sharing the port; above 1 they feed one engine process "
@@ -173,8 +185,15 @@ class HttpConfig:
         "runs this long past its measured time, is hung: /readyz answers 503, the supervisor "
         "kills and restarts it",
     )
+    engine_start_timeout_s: float = _opt(
+        600.0,
+        "--workers N: how long the engine process may take to load and warm up its model (a "
+        "first TensorRT build included) before it is killed as hung",
+    )
     max_connections: int = _opt(
-        1000, "most open client connections; more are answered 503 at once and closed"
+        1000,
+        "most open HTTP connections per front end (past them: 503, probes and scrapes "
+        "served) and gRPC calls running (past them: UNAVAILABLE)",
     )
     max_header_bytes: int = _opt(65536, "most bytes of request line and headers; more get 431")
     header_timeout_s: float = _opt(
@@ -316,6 +335,8 @@ def validate(config: ServerConfig) -> None:
     _require(0 <= h.port <= 65535, "port", "must be in 0..65535")
     grpc_ok = h.grpc_port == 0 or (0 < h.grpc_port <= 65535 and h.grpc_port != h.port)
     _require(grpc_ok, "grpc_port", "must be in 0..65535 (0: off), not --port")
+    for name in ("grpc_max_connection_idle_s", "grpc_max_connection_age_s"):
+        _require(getattr(h, name) >= 0, name, "must not be negative (0 = never)")
     _require(1 <= h.workers <= 256, "workers", "must be in 1..256")
     _require(
         not h.reuse_port or sys.platform == "linux",
@@ -331,6 +352,7 @@ def validate(config: ServerConfig) -> None:
         "heartbeat_timeout_s",
         "must be at least 1 (a process stamps its heartbeat every 0.5 s)",
     )
+    _require(h.engine_start_timeout_s > 0, "engine_start_timeout_s", "must be positive")
     _require(h.max_connections >= 1, "max_connections", "must be at least 1")
     _require(h.max_header_bytes >= 1024, "max_header_bytes", "must be at least 1024")
     _require(h.header_timeout_s > 0, "header_timeout_s", "must be positive")

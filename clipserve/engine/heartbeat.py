@@ -36,7 +36,6 @@ from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from clipserve.batching.cost import CostModel
 
 BEAT_INTERVAL_S = 0.5
-ENGINE_START_TIMEOUT_S = 600.0  # loading and warming up a model (a TensorRT build included)
 BACKOFF_MAX_S = 10.0  # the longest wait before restarting a child that keeps dying young
 YOUNG_S = 10.0  # a child that dies younger than this (since it came up) is restarted with backoff
 # A front end stamps first once its app starts: after importing torch and open_clip and waiting
@@ -57,12 +56,12 @@ def restart_deadline_s(timeout_s: float) -> float:
     return 2.0 * timeout_s
 
 
-def replace_deadline_s(timeout_s: float) -> float:
+def replace_deadline_s(timeout_s: float, start_s: float) -> float:
     """How long a front end may be without its engine (gone, or not yet back) before it fails
     its liveness: the supervisor sees a death at once, waits its backoff and gives the new
-    engine ENGINE_START_TIMEOUT_S to load and warm up. Until then readiness alone fails: a pod
-    restarted meanwhile would only load the same model again."""
-    return BACKOFF_MAX_S + ENGINE_START_TIMEOUT_S + timeout_s
+    engine `start_s` (--engine-start-timeout-s) to load and warm up. Until then readiness alone
+    fails: a pod restarted meanwhile would only load the same model again."""
+    return BACKOFF_MAX_S + start_s + timeout_s
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,7 @@ class EngineLink:
         self._task: asyncio.Task[None] | None = None
         self._first = asyncio.get_running_loop().create_future()
         self.timeout_s = config.http.heartbeat_timeout_s
+        self.start_s = config.http.engine_start_timeout_s  # the supervisor's for a new engine
         self._frame_limit = wire.found_limit(config.limits.max_items_per_request, card["embed_dim"])
         self._heard = time.monotonic()  # the engine's last frame
         self._beats: HeartbeatWriter | None = None
@@ -203,7 +204,7 @@ class EngineLink:
         take a model load)."""
         if self.connected:
             return self.silent_s() > restart_deadline_s(self.timeout_s)
-        return time.monotonic() - self._heard > replace_deadline_s(self.timeout_s)
+        return time.monotonic() - self._heard > replace_deadline_s(self.timeout_s, self.start_s)
 
     def snapshot(self) -> Status:
         """The engine's last pushed status; every worker dead while it is not connected or

@@ -42,7 +42,6 @@ from prometheus_client.mmap_dict import MmapedDict
 from clipserve.config import ServerConfig
 from clipserve.engine.heartbeat import (
     BACKOFF_MAX_S,
-    ENGINE_START_TIMEOUT_S,
     YOUNG_S,
     HeartbeatReader,
     LivenessMetrics,
@@ -212,7 +211,7 @@ class Supervisor:
 
     def _wait_engine_ready(self) -> None:
         assert self.engine is not None and self.engine_ready is not None
-        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+        deadline = time.monotonic() + self.config.http.engine_start_timeout_s
         while not self.engine_ready.poll(0.2):
             if not self.engine.process.is_alive():
                 raise StartupError("the engine process exited while starting (see the log)")
@@ -308,7 +307,7 @@ class Supervisor:
         """The child's heartbeat age; a child that missed its deadline is logged and killed
         (SIGKILL: a stopped process cannot take SIGTERM), and `_exited` restarts it as it
         would a dead one. Not while it is starting (an engine warming up has its own limit,
-        ENGINE_START_TIMEOUT_S), exiting, already killed, or while stopping."""
+        --engine-start-timeout-s), exiting, already killed, or while stopping."""
         pid = child.process.pid
         if child.heart is None and pid is not None:
             child.heart = HeartbeatReader(heartbeat_path(self.tmp, pid))
@@ -387,7 +386,7 @@ class Supervisor:
         `_monitor` goes on watching the front ends."""
         self._start_engine()
         assert self.engine is not None
-        self.engine.ready_by = time.monotonic() + ENGINE_START_TIMEOUT_S
+        self.engine.ready_by = time.monotonic() + self.config.http.engine_start_timeout_s
 
     def _engine_starting(self, now: float) -> None:
         engine, ready = self.engine, self.engine_ready
@@ -395,7 +394,8 @@ class Supervisor:
             return
         if not ready.poll():  # neither its word nor, once it died, the pipe's end
             if now > engine.ready_by and engine.cause != "hung":
-                log.error("the engine was not ready in %.0f s; killing it", ENGINE_START_TIMEOUT_S)
+                limit = self.config.http.engine_start_timeout_s
+                log.error("the engine was not ready in %.0f s; killing it", limit)
                 engine.cause = "hung"
                 engine.process.kill()
             return

@@ -7,7 +7,9 @@ metadata, echoed in the trailing metadata: initial metadata sent on its own cost
 call, ~6% of a call's CPU), the key check and the rate limit's first token
 (`authorization: Bearer` or `x-api-key` metadata), the count and duration by method and by
 the HTTP status the same error would have (so dashboards and alerts read one series), the
-access line, and each domain error as a gRPC status (`grpc_status.py`).
+access line, and each domain error as a gRPC status (`grpc_status.py`). The guard also holds
+calls running to --max-connections: one more is the door's overload, UNAVAILABLE with
+`retry-pushback-ms`, counted and logged as a 503, as an HTTP connection over it is.
 
 Every method is registered without grpc's deserializer, which would run before the guard: a
 message that does not parse would then be UNKNOWN with the exception's class in its text, a
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeAlias, TypeVar, cast
@@ -30,9 +33,10 @@ from google.protobuf.message import DecodeError, Message
 from tritonclient.grpc import service_pb2
 
 from clipserve.config import ServerConfig
-from clipserve.errors import ClipserveError, InvalidBody, StartupError, Unauthorized
+from clipserve.errors import ClipserveError, InvalidBody, Overloaded, StartupError, Unauthorized
 from clipserve.http.access import Access
 from clipserve.http.charges import charging
+from clipserve.http.connections import CAP_LOG_INTERVAL_S, refusal_room
 from clipserve.http.grpc_status import grpc_error
 from clipserve.http.keys import Grant
 from clipserve.http.listeners import check_tls
@@ -44,8 +48,11 @@ from clipserve.metrics import Metrics
 log = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
-OPEN_METHODS = frozenset({"ServerLive", "ServerReady", "ModelReady"})  # probes hold no key
-MAX_CONCURRENT_STREAMS = 128  # per HTTP/2 connection; --max-connections bounds all RPCs
+# Probes hold no key and are never refused at --max-connections: a liveness probe refused
+# under load would have a busy pod restarted.
+OPEN_METHODS = frozenset({"ServerLive", "ServerReady", "ModelReady"})
+MAX_CONCURRENT_STREAMS = 128  # per HTTP/2 connection; --max-connections bounds all calls
+GRPC_INT_MAX = 2**31 - 1  # grpc's integer channel arguments are C ints
 _SERVICE = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 
 Req = TypeVar("Req")
@@ -74,21 +81,32 @@ def _request_id(metadata: dict[str, str | bytes]) -> str:
 class CallGuard:
     """What wraps every RPC: see the module's notes."""
 
-    def __init__(self, metrics: Metrics, access: Access | None) -> None:
+    def __init__(
+        self, metrics: Metrics, access: Access | None, max_calls: int | None = None
+    ) -> None:
         self.metrics = metrics
         self.access = access
+        self.max_calls = max_calls  # --max-connections; None: no limit of ours
+        self.running = 0  # calls held to max_calls and not yet answered
+        self._warned, self._suppressed = -math.inf, 0
 
     def wrap(self, method: str, handler: Handler[Req, Resp]) -> Behaviour[Req, Resp]:
         route = f"/{SERVICE}/{method}"
         guarded = method not in OPEN_METHODS
+        limit = self.max_calls if guarded else None
 
         async def call(request: Req, context: Context[Req, Resp]) -> Resp:
             t0 = time.perf_counter()
             metadata = _metadata(context.invocation_metadata())
             request_id = _request_id(metadata)
-            status, key = 200, None
+            status, key, held = 200, None, False
             context.set_trailing_metadata((("x-request-id", request_id),))  # sent with the status
             try:
+                if limit is not None:
+                    if self.running >= limit:
+                        raise self._refused()
+                    self.running += 1
+                    held = True
                 if guarded and self.access is not None:
                     grant = self._grant(metadata)
                     key = grant.label
@@ -115,6 +133,8 @@ class CallGuard:
                 trailing = (*error.trailing_metadata, ("x-request-id", request_id))
                 await context.abort(error.code, error.message, trailing)
             finally:
+                if held:
+                    self.running -= 1
                 elapsed = time.perf_counter() - t0
                 self.metrics.requests.labels(route, str(status)).inc()
                 self.metrics.request_duration.labels(route).observe(elapsed)
@@ -123,6 +143,22 @@ class CallGuard:
                     log_access(request_id, "GRPC", route, route, status, elapsed, None, peer, key)
 
         return call
+
+    def _refused(self) -> Overloaded:
+        """The overload a call past --max-connections gets; a warning at most every 10 s, as
+        HTTP's refused connections have (a flood of refusals must not flood the log)."""
+        now = time.monotonic()
+        if now - self._warned >= CAP_LOG_INTERVAL_S:
+            log.warning(
+                "refusing gRPC calls: %d running, the --max-connections limit (%d more refused "
+                "since the last such message)",
+                self.running,
+                self._suppressed,
+            )
+            self._warned, self._suppressed = now, 0
+        else:
+            self._suppressed += 1
+        return Overloaded(f"{self.running} calls running, the limit (--max-connections)")
 
     def _grant(self, metadata: dict[str, str | bytes]) -> Grant:
         assert self.access is not None
@@ -200,6 +236,33 @@ class Servicer(Protocol):
     def register(self, methods: Methods) -> None: ...
 
 
+def _ms(seconds: float) -> int:
+    return max(1, min(GRPC_INT_MAX, round(min(seconds, GRPC_INT_MAX) * 1000)))
+
+
+def server_options(config: ServerConfig, reuse_port: bool) -> list[tuple[str, int]]:
+    """grpc.aio's channel arguments for `config`."""
+    http, limits = config.http, config.limits
+    options: list[tuple[str, int]] = [
+        # The body limit, enforced by gRPC itself (RESOURCE_EXHAUSTED) before a byte is ours.
+        ("grpc.max_receive_message_length", limits.max_body_bytes),
+        ("grpc.max_send_message_length", -1),  # answers are a few embeddings
+        ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
+    ]
+    # HTTP's --max-connections does not see gRPC's connections: an idle one is closed
+    # (GOAWAY, then the socket) after --grpc-max-connection-idle-s instead.
+    if http.grpc_max_connection_idle_s > 0:
+        options.append(("grpc.max_connection_idle_ms", _ms(http.grpc_max_connection_idle_s)))
+    if http.grpc_max_connection_age_s > 0:
+        # GOAWAY at that age (grpc adds +-10% jitter), then the calls in flight have their
+        # own deadline's worth to finish before the connection is closed under them.
+        options.append(("grpc.max_connection_age_ms", _ms(http.grpc_max_connection_age_s)))
+        grace = _ms(limits.request_timeout_s)
+        options.append(("grpc.max_connection_age_grace_ms", grace))
+    return options
+
+
 def build_grpc_server(
     config: ServerConfig,
     servicer: Servicer,
@@ -211,16 +274,17 @@ def build_grpc_server(
     """The server with every method `servicer` registers (others answer UNIMPLEMENTED, as
     gRPC does), bound to --host:--grpc-port; and the port bound (for port 0 in tests).
     `reuse_port`: the front ends of --workers N bind the same port (the supervisor holds it)."""
-    http, limits = config.http, config.limits
-    options: list[tuple[str, int]] = [
-        # The body limit, enforced by gRPC itself (RESOURCE_EXHAUSTED) before a byte is ours.
-        ("grpc.max_receive_message_length", limits.max_body_bytes),
-        ("grpc.max_send_message_length", -1),  # answers are a few embeddings
-        ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
-        ("grpc.so_reuseport", 1 if reuse_port else 0),
-    ]
-    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=http.max_connections)
-    methods = Methods(CallGuard(metrics, access))
+    http = config.http
+    # grpc's own limit is only the hard ceiling, above ours: the guard answers the calls past
+    # --max-connections (UNAVAILABLE, counted, logged), and each such refusal holds a place in
+    # grpc's count for the moment it runs, its message received (up to --max-body-bytes). The
+    # ceiling bounds that memory, as HTTP's refusal room bounds sockets past the limit; a call
+    # past it gets grpc's own RESOURCE_EXHAUSTED before its message is read.
+    ceiling = http.max_connections + refusal_room(http.max_connections)
+    server = grpc.aio.server(
+        options=server_options(config, reuse_port), maximum_concurrent_rpcs=ceiling
+    )
+    methods = Methods(CallGuard(metrics, access, http.max_connections))
     servicer.register(methods)
     generic = grpc.method_handlers_generic_handler(SERVICE, methods.handlers)
     server.add_generic_rpc_handlers((generic,))
