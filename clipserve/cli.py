@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "profile": "profile an ONNX Runtime backend: op-type time shares and CPU fallbacks",
     "doctor": "what the server would run on here with these flags, and why not otherwise",
 }
+PRINTING = frozenset({"export", "profile", "doctor"})  # reports a pipe may cut short
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -99,16 +100,20 @@ def serve(config: ServerConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in PRINTING:
         return _main(argv)
-    except BrokenPipeError:  # `clipserve doctor --json | head`: the reader left early
+    try:  # `clipserve doctor --json | head`: the reader may leave before the end
+        code = _main(argv)
+        sys.stdout.flush()  # what is buffered meets the closed pipe here, not at exit
+        return code
+    except BrokenPipeError:
         # Python would report the pipe again as it flushes stdout at exit: flush to nothing.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _main(argv: list[str]) -> int:
     if argv and argv[0] == "dedupe":
         # A client of the server, not a server: its own parser, none of the server's flags.
         from clipserve.dedupe.cli import main as dedupe_main

@@ -185,10 +185,12 @@ class AccessGuard:
             await response(scope, receive, send)
             return
         scope.setdefault("state", {})["key"] = grant.label  # for the access line and span
-        if scope["method"] == "POST" and grant.rate is not None and self.inference(scope):
+        limited = grant.rate is not None and scope["method"] == "POST"
+        found = self.inference(scope) if limited else None
+        if found is not None and grant.rate is not None:
             wait = self.access.wait_s(grant)
             if wait > 0:  # refused before the body is read
-                self._label(scope)
+                scope["route"] = found[0]  # see _label
                 error = self.access.refused(grant, grant.rate, wait)
                 response = self.pages.render(
                     path, 429, error.code, error.message, error.retry_after_s

@@ -1,6 +1,7 @@
 """The connection budget of one server process: sockets served up to --max-connections, then
-refusals (503, closed within a second), then accepting paused so the kernel's accept queue
-holds new clients; and the open-file limit checked against it at start (`fd_budget`)."""
+refusals (503 but to probes, closed within about two seconds), then accepting paused so the
+kernel's accept queue holds new clients; and the open-file limit checked against it at start
+(`fd_budget`)."""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ requests. `GuardedHttpProtocol` adds and mends those; the fast path gains a few 
 checks per request (docs/design.md).
 
 Every socket counts against the budget in `http/connections.py`, checked against RLIMIT_NOFILE
-at start: served connections up to --max-connections, then refusals, which close within a
-second; past the budget the server stops accepting and the kernel's accept queue holds new
-clients.
+at start: served connections up to --max-connections, then refusals (and probes), which close
+within about two seconds; past the budget the server stops accepting and the kernel's accept
+queue holds new clients.
 """
 
 from __future__ import annotations
@@ -129,24 +129,24 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             # the connection closes), or after REFUSAL_WAIT_S: cheap for a flood all the same.
             self._refused = True
             refusals.closing += 1
-            refusals.log(open_before)
             self._held = b""
             self._open_before = open_before
-            wait = min(REFUSAL_WAIT_S, self.limits.header_timeout_s)
-            self._header_timer = self.loop.call_later(wait, self._refuse_connection)
+            self._header_timer = self.loop.call_later(self._refusal_wait(), self._refuse_connection)
             return
-        self._start_header_timer()
+        self._start_header_timer(self.limits.header_timeout_s)
 
-    def _start_header_timer(self) -> None:
+    def _refusal_wait(self) -> float:
+        return min(REFUSAL_WAIT_S, self.limits.header_timeout_s)
+
+    def _start_header_timer(self, timeout_s: float) -> None:
         if self._header_timer is not None:
             self._header_timer.cancel()
-        self._header_timer = self.loop.call_later(
-            self.limits.header_timeout_s, self._header_timeout
-        )
+        self._header_timer = self.loop.call_later(timeout_s, self._header_timeout)
 
     def _refuse_connection(self) -> None:
         """The 503 of a connection past --max-connections, then a lingering close."""
         self._held = None
+        self.refusals.log(self._open_before)
         pipeline = self.app_state.get("pipeline")
         if pipeline is not None:  # the lifespan's; not there before it starts
             pipeline.metrics.connections_refused.inc()
@@ -194,7 +194,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if not probe:
                 self._refuse_connection()
                 return
-            self._start_header_timer()
+            # A probe's headers come with its request line: a short wait, as for the line,
+            # since its socket is one of the refusal room's.
+            self._start_header_timer(self._refusal_wait())
         if self._linger_bytes >= 0:
             self._linger_bytes += len(data)
             return
@@ -411,6 +413,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def _header_timeout(self) -> None:
         self._header_timer = None
+        if self._refused and self.cycle is None:  # a probe's headers, late: refused after all
+            self._refuse_connection()
+            return
         if self._header_bytes == 0:  # nothing of a request was sent: nothing to answer
             self.transport.close()
             return

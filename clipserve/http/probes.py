@@ -24,10 +24,11 @@ MAX_REQUEST_LINE = 8192  # bytes without a line end: not a probe
 def asks_probe(head: bytes) -> bool | None:
     """Whether `head`, a connection's first bytes, is a GET or HEAD of a probe path (a query
     allowed); None while its request line is incomplete."""
-    end = head.find(b"\r\n")
+    start = len(head) - len(head.lstrip(b"\r\n"))  # empty lines before it are allowed
+    end = head.find(b"\n", start)
     if end < 0:
         return None if len(head) < MAX_REQUEST_LINE else False
-    method, _, rest = head[:end].partition(b" ")
+    method, _, rest = head[start:end].rstrip(b"\r").partition(b" ")
     target, _, version = rest.partition(b" ")
     if method not in (b"GET", b"HEAD") or not version.startswith(b"HTTP/1."):
         return False

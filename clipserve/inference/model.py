@@ -179,8 +179,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     try:
         # Random weights from one seed: every process (front ends' engine, a client's local
         # mode, an export) builds the same model, so their vectors and exports agree.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(RANDOM_WEIGHTS_SEED)
+        with torch.random.fork_rng(devices=[]):  # built on the CPU: its generator alone
+            torch.default_generator.manual_seed(RANDOM_WEIGHTS_SEED)
             module = open_clip.create_model(name, pretrained=pretrained)
     except Exception as e:  # unknown tag, hub unreachable, partial download, ...
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

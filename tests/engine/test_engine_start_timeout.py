@@ -107,7 +107,7 @@ def test_a_restart_is_given_the_configured_time(supervisor: Supervisor) -> None:
     supervisor._restart_engine()
     engine = supervisor.engine
     assert engine is not None and engine.ready_by is not None
-    assert engine.ready_by - t0 == pytest.approx(LIMIT_S, abs=0.1)
+    assert LIMIT_S <= engine.ready_by - t0 < LIMIT_S + 1  # the configured time, not 600 s
     process = cast(Loading, engine.process)
     supervisor._engine_starting(engine.ready_by - 0.01)
     assert not process.killed and engine.cause == "exited"

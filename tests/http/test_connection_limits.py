@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from clipserve.http.probes import asks_probe
 from tests.helpers import (
     PNG,
     RunningServer,
@@ -297,8 +298,32 @@ def test_probes_and_scrapes_past_the_cap_are_served_and_the_rest_refused(serve: 
         sock.sendall(sent)
         status, _, body = read_response(sock)
         assert status == 503 and error_code(body) == "overloaded", (sent[:40], body)
+    slow = connect(server)  # a probe's line, then no headers: it is past the cap all the same
+    t0 = time.monotonic()
+    slow.sendall(b"GET /healthz HTTP/1.1\r\n")
+    status, _, body = read_response(slow)
+    assert status == 503 and time.monotonic() - t0 < 3, body  # not --header-timeout-s (10)
     sock = connect(server)
     sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
     _, _, body = read_response(sock)
-    assert b"clipserve_connections_refused_total 4.0" in body
-    assert b'clipserve_requests_total{route="other",status="503"} 4.0' in body
+    assert b"clipserve_connections_refused_total 5.0" in body
+    assert b'clipserve_requests_total{route="other",status="503"} 5.0' in body
+
+
+@pytest.mark.parametrize(
+    ("head", "probe"),
+    [
+        (b"GET /healthz HTTP/1.1\r\nHost: t\r\n", True),
+        (b"HEAD /v2/health/ready HTTP/1.1\r\n", True),
+        (b"GET /metrics?name[]=x HTTP/1.0\r\n", True),
+        (b"\r\nGET /readyz HTTP/1.1\n", True),  # an empty line first; a bare LF
+        (b"GET /healthz", None),  # the line not ended yet
+        (b"\r\n", None),
+        (b"POST /healthz HTTP/1.1\r\n", False),
+        (b"GET /healthzz HTTP/1.1\r\n", False),
+        (b"GET /healthz\r\n", False),  # HTTP/0.9
+        (b"GET /" + b"a" * 9000, False),  # no end within the cap
+    ],
+)
+def test_a_probe_is_told_from_its_request_line(head: bytes, probe: bool | None) -> None:
+    assert asks_probe(head) is probe

@@ -117,13 +117,13 @@ def test_the_age_grace_is_the_request_timeout(tiny_config: Any, tiny_checkpoint:
 def test_calls_past_max_connections_are_the_doors_overload(
     serve: Serve, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Two calls on a device of 1.5 s a batch hold --max-connections 2: three more are
+    """Two calls on a device of 3 s a batch hold --max-connections 2: three more are
     UNAVAILABLE with the retry hint and their request ids, 503s in the metrics and the access
     log; a probe is still answered; then the limit is free again."""
     server = serve(grpc_port=free_port(), backend="fake", max_batch_size=1, max_connections=2)
     executor = server.state.runtime.executors[0]
     assert isinstance(executor, FakeExecutor)
-    executor.latency_s = 1.5  # from now on: the warm-up ran at full speed
+    executor.latency_s = 3.0  # from now on: the warm-up ran at full speed
     request = pb.ModelInferRequest(model_name=model_name(server))
     inp = request.inputs.add(name="image", datatype="BYTES", shape=[1])
     inp.contents.bytes_contents.append(png_bytes(random_pixels(1)))
@@ -138,7 +138,7 @@ def test_calls_past_max_connections_are_the_doors_overload(
             infer.future(body, metadata=(("x-request-id", f"over-{i}"),), timeout=30)
             for i in range(5)
         ]
-        until(lambda: sum(c.done() for c in calls) >= 3, 1.4, "three calls refused at once")
+        until(lambda: sum(c.done() for c in calls) >= 3, 2.8, "three calls refused at once")
         assert _live(channel).live  # probes are never refused
         answers: list[Any] = []
         for c in calls:

@@ -88,7 +88,9 @@ def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
         [sys.executable, "-m", "clipserve", "doctor", "--json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        # Block-buffered, as in a shell: the report meets the closed pipe as it is flushed.
+        env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+        | {"HF_HUB_OFFLINE": "1"},
     )
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # gone before a byte is read
