@@ -25,8 +25,8 @@ from bench.frontend.bare import Bare
 from bench.frontend.cli import FAKE_CONFIG
 from bench.frontend.floor import ANSWER
 from bench.frontend.load import requests_of
-from bench.frontend.servers import fake_flags, tree_faults, wait_ready
-from clipserve.loadgen.procs import free_port
+from bench.frontend.servers import fake_flags, tree_faults
+from clipserve.loadgen.procs import free_port, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -95,7 +95,7 @@ def test_direct_serves_embed_through_the_served_pipeline(tmp_path: Path) -> None
     with subprocess.Popen(argv, cwd=REPO) as proc:
         try:
             url = f"http://127.0.0.1:{port}"
-            wait_ready(proc, url + "/readyz", 120, "direct")
+            wait_ready(proc, url, 120, "direct")
             tensor = requests_of("raw-tensor")[0]
             ask = urllib.request.Request(url + "/embed", tensor.body, tensor.headers)
             with urllib.request.urlopen(ask, timeout=10) as answer:

@@ -208,7 +208,7 @@ def test_a_reconnect_storm_stays_within_the_socket_budget_and_probes_never_see_a
             while time.monotonic() < stop_at:
                 try:
                     sock = connect(port, 2)
-                    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                    sock.sendall(b"GET /info HTTP/1.1\r\nHost: x\r\n\r\n")  # not a probe
                     mine.append((time.monotonic(), sock))
                 except OSError:
                     pass
@@ -238,7 +238,8 @@ def test_a_reconnect_storm_stays_within_the_socket_budget_and_probes_never_see_a
             t.join(60)
         assert proc.poll() is None
         answered = [p for p in probes if isinstance(p, tuple)]
-        assert [p for p in probes if p != (503, "1")] == [], probes
+        # Probes past the cap are served (http/probes.py), the storm's requests refused.
+        assert [p for p in probes if p != (200, None)] == [], probes
         assert len(answered) >= 2, probes  # others waited in the accept queue
         # Served places, refusals closing and one accept round past the pause, no more.
         room = MAX_CONNECTIONS // 4 if MAX_CONNECTIONS >= 256 else 64

@@ -114,6 +114,7 @@ def test_the_age_grace_is_the_request_timeout(tiny_config: Any, tiny_checkpoint:
     )
 
 
+@pytest.mark.slow  # ~9 s: two 3 s batches held; CI runs it (make test-slow)
 def test_calls_past_max_connections_are_the_doors_overload(
     serve: Serve, caplog: pytest.LogCaptureFixture
 ) -> None:
