@@ -82,6 +82,7 @@ def test_an_idle_connection_is_closed_by_the_server(serve: Serve) -> None:
             channel.close()
 
 
+@pytest.mark.slow  # ~3 s of calls across a reconnect; CI runs it (make test-slow)
 def test_an_old_connection_is_replaced_without_failing_a_call(serve: Serve) -> None:
     server = serve(
         grpc_port=free_port(),

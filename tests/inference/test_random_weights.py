@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from clipserve.config import ModelConfig
@@ -23,7 +24,7 @@ def _digest_script(config: Path) -> str:
     )
 
 
-def test_random_weights_are_one_model_in_every_load_and_process(tiny_config: Path) -> None:
+def test_random_weights_are_one_model_in_every_load(tiny_config: Path) -> None:
     config = ModelConfig(model=str(tiny_config), pretrained="none")
     first = load_model(config)
     torch.rand(1000)  # the global generator moves on between the loads
@@ -31,6 +32,11 @@ def test_random_weights_are_one_model_in_every_load_and_process(tiny_config: Pat
     mine, theirs = first.module.state_dict(), again.module.state_dict()
     assert mine.keys() == theirs.keys()
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+@pytest.mark.slow  # a process of its own (~6 s of imports); CI runs it (make test-slow)
+def test_random_weights_are_one_model_in_another_process(tiny_config: Path) -> None:
+    first = load_model(ModelConfig(model=str(tiny_config), pretrained="none"))
     out = subprocess.run(
         [sys.executable, "-c", _digest_script(tiny_config)],
         capture_output=True,
