@@ -185,11 +185,10 @@ class AccessGuard:
             await response(scope, receive, send)
             return
         scope.setdefault("state", {})["key"] = grant.label  # for the access line and span
-        limited = grant.rate is not None and scope["method"] == "POST"
-        found = self.inference(scope) if limited else None
-        if found is not None and grant.rate is not None:
-            wait = self.access.wait_s(grant)
-            if wait > 0:  # refused before the body is read
+        if grant.rate is not None and scope["method"] == "POST":
+            found = self.inference(scope)
+            wait = self.access.wait_s(grant) if found is not None else 0.0
+            if found is not None and wait > 0:  # refused before the body is read
                 scope["route"] = found[0]  # see _label
                 error = self.access.refused(grant, grant.rate, wait)
                 response = self.pages.render(

@@ -131,7 +131,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             refusals.closing += 1
             self._held = b""
             self._open_before = open_before
-            self._header_timer = self.loop.call_later(self._refusal_wait(), self._refuse_connection)
+            self._start_header_timer(self._refusal_wait())  # _header_timeout refuses it
             return
         self._start_header_timer(self.limits.header_timeout_s)
 
@@ -413,7 +413,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def _header_timeout(self) -> None:
         self._header_timer = None
-        if self._refused and self.cycle is None:  # a probe's headers, late: refused after all
+        if self._refused and self.cycle is None:  # no probe's head in time: refused after all
             self._refuse_connection()
             return
         if self._header_bytes == 0:  # nothing of a request was sent: nothing to answer
