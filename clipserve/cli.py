@@ -94,7 +94,7 @@ def serve(config: ServerConfig) -> int:
     # from inside the lifespan protocol.
     runtime = build_runtime(config)
     app = create_app(config, runtime=runtime)
-    server = draining_server(build_uvicorn_config(app, config.http))
+    server = draining_server(build_uvicorn_config(app, config.http), config.http.shutdown_delay_s)
     server.run()
     return 0
 

@@ -178,6 +178,11 @@ class HttpConfig:
         "default /v1/traces): a span per request, one per stage, W3C traceparent followed; "
         "needs the otel extra; empty: off",
     )
+    shutdown_delay_s: float = _opt(
+        0.0,
+        "on SIGTERM, first answer readiness 503 and go on serving this long, so load "
+        "balancers that probe stop sending before the listener closes; then drain",
+    )
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, how long in-flight requests may finish")
     heartbeat_timeout_s: float = _opt(
         10.0,
@@ -346,6 +351,7 @@ def validate(config: ServerConfig) -> None:
     _require(h.log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
     _require(h.log_format in LOG_FORMATS, "log_format", f"must be one of {', '.join(LOG_FORMATS)}")
     _check_otel(h.otel_endpoint)
+    _require(h.shutdown_delay_s >= 0, "shutdown_delay_s", "must not be negative")
     _require(h.drain_timeout_s >= 0, "drain_timeout_s", "must not be negative")
     _require(
         h.heartbeat_timeout_s >= 1,

@@ -62,7 +62,7 @@ def frontend_main(
             os._exit(1)
         listener.close()
         listener = own
-    server = draining_server(build_uvicorn_config(app, config.http))
+    server = draining_server(build_uvicorn_config(app, config.http), config.http.shutdown_delay_s)
     server.run(sockets=[listener])
     logging.shutdown()
     os._exit(0)  # skips interpreter teardown: extension modules' exit-time noise

@@ -391,7 +391,8 @@ def engine_main(
 
             def on_sigterm() -> None:
                 if not draining:
-                    drain_s = config.http.drain_timeout_s + 10.0
+                    http = config.http
+                    drain_s = http.shutdown_delay_s + http.drain_timeout_s + 10.0
                     draining.add(asyncio.create_task(service.drain(stop, drain_s)))
 
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)

@@ -417,7 +417,8 @@ class Supervisor:
         if self.grpc_hold is not None:
             self.grpc_hold.close()
         fronts = [c.process for c in self.front if c is not None]
-        _terminate(fronts, self.config.http.drain_timeout_s + 10.0)
+        http = self.config.http
+        _terminate(fronts, http.shutdown_delay_s + http.drain_timeout_s + 10.0)
         if self.engine is not None:
             _terminate([self.engine.process], 30.0)
         remove_segments(self.pid)

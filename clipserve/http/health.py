@@ -29,10 +29,12 @@ class Liveness:
 
 @dataclass(frozen=True)
 class Readiness:
-    """True while every worker of every tower is alive; each worker's state by name."""
+    """True while every worker of every tower is alive and the server is not stopping; each
+    worker's state by name."""
 
     workers: dict[str, str]  # "cpu" / "text:cpu" -> "ok" or "dead: <error>"
     ok: bool
+    stopping: bool = False  # SIGTERM's --shutdown-delay-s: still serving, no longer ready
 
 
 def liveness(towers: Mapping[TowerKind, TowerState]) -> Liveness:
@@ -40,9 +42,12 @@ def liveness(towers: Mapping[TowerKind, TowerState]) -> Liveness:
 
 
 def readiness(
-    towers: Mapping[TowerKind, TowerState], self_check: Mapping[str, Any] | None = None
+    towers: Mapping[TowerKind, TowerState],
+    self_check: Mapping[str, Any] | None = None,
+    stopping: bool = False,
 ) -> Readiness:
-    """Every worker alive, and the startup self-check not failed under --self-check strict."""
+    """Every worker alive, the startup self-check not failed under --self-check strict, and
+    no SIGTERM taken."""
     workers = [w for kind in TOWER_KINDS for w in towers[kind].workers]
     states = {
         (w.device if w.kind == "image" else f"{w.kind}:{w.device}"): (
@@ -50,7 +55,8 @@ def readiness(
         )
         for w in workers
     }
-    return Readiness(states, all(w.alive for w in workers) and not blocks_readiness(self_check))
+    alive = all(w.alive for w in workers) and not blocks_readiness(self_check)
+    return Readiness(states, alive and not stopping, stopping)
 
 
 def tower_ready(tower: TowerState) -> bool:

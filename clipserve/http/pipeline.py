@@ -105,6 +105,7 @@ class Pipeline(Generic[TicketT]):
         self.towers: dict[TowerKind, Tower[TicketT]] = {"image": image, "text": text}
         self.metrics = metrics
         self.counted = RequestMetrics(metrics)  # an answered request's metrics
+        self.stopping = False
         # Asked per request where the cache is on: a runtime-checkable Protocol's isinstance
         # costs ~10 µs, so each tower is checked once.
         self._caching = {id(t) for t in self.towers.values() if isinstance(t, CachingTower)}
@@ -122,8 +123,9 @@ class Pipeline(Generic[TicketT]):
         )
 
     def readiness(self) -> health.Readiness:
-        """Every probe's answer: workers alive and the startup self-check not failed."""
-        return health.readiness(self.towers, self.runtime.self_check)
+        """Every probe's answer: workers alive, the startup self-check not failed, and not
+        stopping (`stopping` is set on SIGTERM, for --shutdown-delay-s)."""
+        return health.readiness(self.towers, self.runtime.self_check, self.stopping)
 
     async def run(self, exchange: Exchange, call: Call[Parsed]) -> tuple[RequestContext, Encoded]:
         """The same steps in the same order for every front door, over HTTP or gRPC: the

@@ -6,10 +6,13 @@ settings."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -19,6 +22,8 @@ from clipserve.http.buffered import BufferedReads
 from clipserve.http.connections import AcceptGate, Refusals, adopt, refusal_room, take_queued
 from clipserve.http.guarded import GuardedHttpProtocol
 from clipserve.http.listeners import check_tls
+
+log = logging.getLogger(__name__)
 
 
 def protocol_class(config: HttpConfig) -> type[BufferedReads]:
@@ -66,9 +71,39 @@ def build_uvicorn_config(app: Any, config: HttpConfig, **overrides: Any) -> uvic
 class DrainingServer(uvicorn.Server):
     """uvicorn re-raises SIGTERM once its graceful shutdown is done, so a fully drained server
     would still die 'killed by signal'. Here a drained shutdown exits 0. Its protocol's
-    socket budget pauses and resumes accepting through an `AcceptGate`."""
+    socket budget pauses and resumes accepting through an `AcceptGate`.
+
+    With `delay_s` (--shutdown-delay-s), SIGTERM first turns readiness to 503 and the server
+    goes on serving that long: a load balancer that probes stops sending before the listener
+    closes. A second SIGTERM, or SIGINT (Ctrl-C), drains at once."""
 
     gate: AcceptGate | None = None
+
+    def __init__(self, config: uvicorn.Config, delay_s: float = 0.0) -> None:
+        super().__init__(config)
+        self.delay_s = delay_s
+        self.exit_at: float | None = None  # monotonic time the delay ends
+        self.announced = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler: it sets state only; on_tick (every 0.1 s) acts on it.
+        first = self.exit_at is None and not self.should_exit
+        if sig == signal.SIGTERM and self.delay_s > 0 and first:
+            self.exit_at = time.monotonic() + self.delay_s
+            pipeline = getattr(getattr(self.config.app, "state", None), "pipeline", None)
+            if pipeline is not None:
+                pipeline.stopping = True
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.exit_at is not None and not self.should_exit:
+            if not self.announced:
+                self.announced = True
+                log.info("SIGTERM: readiness 503, serving %.1f s more, then draining", self.delay_s)
+            if time.monotonic() >= self.exit_at:
+                self.should_exit = True
+        return await super().on_tick(counter)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -110,5 +145,5 @@ class DrainingServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def draining_server(config: uvicorn.Config) -> DrainingServer:
-    return DrainingServer(config)
+def draining_server(config: uvicorn.Config, delay_s: float = 0.0) -> DrainingServer:
+    return DrainingServer(config, delay_s)

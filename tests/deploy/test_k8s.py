@@ -52,7 +52,7 @@ CRD_SCHEMAS = {  # (apiVersion, kind): its CRD's openAPIV3Schema
 ADAPTER_VALUES = K8S / "autoscaling" / "hpa" / "prometheus-adapter-values.yaml"
 OVERLAYS = ("cpu", "gpu")
 AUTOSCALERS = ("keda", "hpa")
-# 1.30: the oldest with the preStop `sleep` action on by default; and the newest shipped.
+# 1.30: the oldest we validate against; and the newest shipped.
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 # Labels that Prometheus's kubernetes-pods job (and a PodMonitor) add to every series.
 POD_TARGET_LABELS = frozenset({"namespace", "pod"})
@@ -298,9 +298,10 @@ def test_the_pod_fits_the_server(variants: dict[str, list[Manifest]], variant: s
     wanted = config.backend.gpus
     assert wanted == ("cpu" if gpus is None else ",".join(map(str, range(int(gpus)))))
 
-    # SIGTERM: the preStop pause, then --drain-timeout-s for in-flight requests, within the
-    # grace period, with time left for the engine's own exit.
-    pause = main["lifecycle"]["preStop"]["sleep"]["seconds"]
+    # SIGTERM: serving on while the endpoint removal spreads, then --drain-timeout-s for
+    # in-flight requests, within the grace period, with time left for the engine's own exit.
+    pause = config.http.shutdown_delay_s
+    assert pause >= 3  # kube-proxy and ingress controllers take seconds to drop an endpoint
     assert pod["terminationGracePeriodSeconds"] >= pause + config.http.drain_timeout_s + 5
 
     # Liveness fails only once the supervisor should have replaced a silent engine (a dead

@@ -184,7 +184,9 @@ async def healthz(request: Request) -> Response:
 
 async def readyz(request: Request) -> Response:
     ready = pipeline_of(request).readiness()
-    body = {"ready": ready.ok, "workers": ready.workers}
+    body: dict[str, object] = {"ready": ready.ok, "workers": ready.workers}
+    if ready.stopping:
+        body["stopping"] = True
     return JSONResponse(body, status_code=200 if ready.ok else 503)
 
 
