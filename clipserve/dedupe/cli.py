@@ -120,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     c = counts(outcome)
     print(
         f"{c['photos']} photos, {c['groups']} groups ({c['exact_groups']} exact, "
-        f"{c['near_groups']} near), {c['duplicates']} extra copies, {c['skipped']} skipped, "
+        f"{c['near_groups']} near), {c['duplicates']} extra copies "
+        f"({c['exact_copies']} byte-identical), {c['skipped']} skipped, "
         f"{c['embedded']} embedded; report: {args.out / 'report.html'}"
     )
     return 0

@@ -69,6 +69,21 @@ class Group:
     similarity: float  # the minimum pairwise cosine within the group
     kind: Literal["exact", "near"]  # exact: one content hash for every file
 
+    def copy_of(self) -> list[str | None]:
+        """Per member: the path of the earlier member with the same bytes, or None. A near
+        group may hold exact copies too; those need no review to delete."""
+        first: dict[str, str] = {}
+        found: list[str | None] = []
+        for m in self.members:
+            path = first.setdefault(m.photo.sha256, m.photo.path)
+            found.append(None if path == m.photo.path else path)
+        return found
+
+    @property
+    def exact_copies(self) -> int:
+        """Members whose bytes an earlier member has."""
+        return len(self.members) - len({m.photo.sha256 for m in self.members})
+
 
 def by_hash(photos: Iterable[Photo]) -> dict[str, list[Photo]]:
     """Photos by content hash, in the order seen: one embedding serves each hash."""

@@ -49,6 +49,7 @@ CSV_COLUMNS = (
     "height",
     "sha256",
     "symlink",
+    "copy_of",
 )
 
 
@@ -76,6 +77,7 @@ def write_reports(outcome: Outcome, out: Path) -> list[Path]:
 
 def counts(outcome: Outcome) -> dict[str, int]:
     groups = outcome.groups
+    exact = sum(g.exact_copies for g in groups)
     return {
         "photos": outcome.photos,
         "unique": outcome.unique,
@@ -84,6 +86,9 @@ def counts(outcome: Outcome) -> dict[str, int]:
         "exact_groups": sum(g.kind == "exact" for g in groups),
         "near_groups": sum(g.kind == "near" for g in groups),
         "duplicates": sum(len(g.members) - 1 for g in groups),  # files beyond one per group
+        # Of those, the byte-identical copies (in near groups too) and the rest.
+        "exact_copies": exact,
+        "near_copies": sum(len(g.members) - 1 for g in groups) - exact,
         "skipped": len(outcome.skipped),
     }
 
@@ -109,8 +114,9 @@ def as_json(outcome: Outcome) -> dict[str, object]:
                         "height": m.photo.height,
                         "sha256": m.photo.sha256,
                         "symlink": m.photo.link,
+                        "copy_of": copy_of,
                     }
-                    for m in g.members
+                    for m, copy_of in zip(g.members, g.copy_of(), strict=True)
                 ],
             }
             for g in outcome.groups
@@ -124,10 +130,10 @@ def as_csv(outcome: Outcome) -> str:
     writer = csv.writer(out)
     writer.writerow(CSV_COLUMNS)
     for number, g in enumerate(outcome.groups, 1):
-        for m in g.members:
+        for m, copy_of in zip(g.members, g.copy_of(), strict=True):
             p = m.photo
             row = (number, g.kind, g.similarity, p.path, m.similarity, p.size)
-            writer.writerow((*row, p.width, p.height, p.sha256, p.link))
+            writer.writerow((*row, p.width, p.height, p.sha256, p.link, copy_of or ""))
     return out.getvalue()
 
 
@@ -154,7 +160,8 @@ def as_html(outcome: Outcome) -> str:
     c = counts(outcome)
     parts = [
         _HEAD,
-        f"<h1>Duplicate photos: {c['groups']} groups, {c['duplicates']} extra copies</h1>",
+        f"<h1>Duplicate photos: {c['groups']} groups, {c['duplicates']} extra copies "
+        f"({c['exact_copies']} byte-identical)</h1>",
         f"<p class=meta>{c['photos']} photos ({c['unique']} distinct files), model "
         f"{_e(outcome.model)}, threshold {outcome.threshold:g}, {c['skipped']} skipped. "
         f"{_e(SIMILARITY_NOTE)}.</p>",

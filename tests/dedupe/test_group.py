@@ -9,6 +9,7 @@ import numpy as np
 
 from clipserve.dedupe.group import UnionFind, build_groups, by_hash, components
 from clipserve.dedupe.index import Pairs, pairs_blockwise
+from clipserve.dedupe.report import Outcome, counts
 from clipserve.dedupe.scan import Photo
 
 
@@ -75,6 +76,15 @@ def test_a_chain_is_one_group_whose_similarity_is_its_loosest_pair() -> None:
     cos20 = round(math.cos(math.radians(20)), 6)
     # Pixels, then bytes, then path decide the order after the first.
     assert got == [("/b.jpg", 1.0), ("/c.jpg", cos20), ("/a.jpg", cos20), ("/c-copy.jpg", cos20)]
+    # A near group's byte-identical copy says so: it needs no review to delete.
+    assert group.copy_of() == [None, None, None, "/c.jpg"]
+    assert group.exact_copies == 1
+    outcome = Outcome("m", 0.9, 5, 4, 4, [group], [])
+    assert {k: counts(outcome)[k] for k in ("duplicates", "exact_copies", "near_copies")} == {
+        "duplicates": 3,
+        "exact_copies": 1,
+        "near_copies": 2,
+    }
 
 
 def test_groups_come_largest_first_and_single_files_are_not_groups() -> None:

@@ -78,6 +78,8 @@ def test_groups_json_has_the_documented_shape(
         "exact_groups": 1,
         "near_groups": 1,
         "duplicates": 2,
+        "exact_copies": 1,
+        "near_copies": 1,
         "skipped": 1,
     }
     near, exact = sorted(data["groups"], key=lambda g: g["kind"], reverse=True)
@@ -100,7 +102,9 @@ def test_groups_json_has_the_documented_shape(
         "height",
         "sha256",
         "symlink",
+        "copy_of",
     }
+    assert [m["copy_of"] for m in exact["members"]] == [None, str(files["a"])]
     assert data["skipped"] == [
         {"path": str(files["broken"]), "reason": data["skipped"][0]["reason"]}
     ]
