@@ -43,8 +43,8 @@ def fd_budget(max_connections: int) -> int:
 class Refusals:
     """Connections refused at --max-connections, shared by one server's connections: how
     many are still closing (they do not count as open), sockets accepted but not yet
-    connected, the gate that pauses accepting past the socket budget, and a rate-limited
-    warning (a flood of refusals must not flood the log)."""
+    connected, the gate that pauses accepting past the socket budget, a rate-limited
+    warning (a flood of refusals must not flood the log), and whether the server stops."""
 
     def __init__(self, max_connections: int) -> None:
         self.closing = 0
@@ -55,6 +55,9 @@ class Refusals:
         self.gate: AcceptGate | None = None  # set once the server listens (DrainingServer)
         self.last = -math.inf
         self.suppressed = 0
+        # SIGTERM with --shutdown-delay-s: answers close their connections, so clients move
+        # to other replicas before the drain (DrainingServer.handle_exit).
+        self.stopping = False
 
     def unmade_soon(self, loop: asyncio.AbstractEventLoop) -> None:
         """A protocol collected without its connection made (a failed TLS handshake): from

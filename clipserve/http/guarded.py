@@ -304,8 +304,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             cast(Cycle, cycle).adopt()
         if upgrade:  # what follows its body is dropped: a lingering close, no reset
             cast(Cycle, self.cycle).linger(self)
-        elif self._draining or self._refused:
-            # The one request a draining server still takes; a probe's past the limit.
+        elif self._draining or self._refused or self.refusals.stopping:
+            # The one request a draining server still takes; a probe's past the limit; any
+            # during --shutdown-delay-s.
             self.cycle.keep_alive = False
         pipeline = self.pipeline
         if pipeline and pipeline[0][0] is cycle and previous is not None:

@@ -74,8 +74,9 @@ class DrainingServer(uvicorn.Server):
     socket budget pauses and resumes accepting through an `AcceptGate`.
 
     With `delay_s` (--shutdown-delay-s), SIGTERM first turns readiness to 503 and the server
-    goes on serving that long: a load balancer that probes stops sending before the listener
-    closes. A second SIGTERM, or SIGINT (Ctrl-C), drains at once."""
+    goes on serving that long, each answer closing its connection: a load balancer that probes
+    stops sending, and clients reconnect elsewhere, before the listener closes. A second
+    SIGTERM, or SIGINT (Ctrl-C), drains at once."""
 
     gate: AcceptGate | None = None
 
@@ -93,6 +94,9 @@ class DrainingServer(uvicorn.Server):
             pipeline = getattr(getattr(self.config.app, "state", None), "pipeline", None)
             if pipeline is not None:
                 pipeline.stopping = True
+            protocol = getattr(getattr(self.config, "http_protocol_class", None), "inner", None)
+            if protocol is not None and issubclass(protocol, GuardedHttpProtocol):
+                protocol.refusals.stopping = True
             return
         super().handle_exit(sig, frame)
 
