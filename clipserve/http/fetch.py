@@ -169,15 +169,20 @@ class ImageFetcher:
         raise ImageFetchFailed(f"more than {MAX_REDIRECTS} redirects")
 
     def _check_literal(self, url: str) -> None:
-        """Schemes, and hosts given as IP addresses (they bypass the resolver)."""
+        """Schemes, hosts given as IP addresses (they bypass the resolver), and names that no
+        address could allow: with no CIDR listed, an unlisted name is refused unresolved (a
+        client's name must not reach the DNS, where it could carry data out)."""
         parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        host = parts.hostname
+        if parts.scheme not in ("http", "https") or not host:
             raise ImageUrlForbidden(f"{_short(url)} is not an http(s) URL with a host")
         try:
-            ip = ipaddress.ip_address(parts.hostname)
+            ip = ipaddress.ip_address(host)
         except ValueError:
+            if not self.allow.networks and not self.allow.listed_name(host):
+                raise ImageUrlForbidden(f"host {host!r} is not in --allow-url-fetch") from None
             return
-        self.allow.check(parts.hostname, ip)
+        self.allow.check(host, ip)
 
     async def _read(self, response: aiohttp.ClientResponse, url: str) -> bytes:
         """The body as a stream, stopped at --url-max-bytes; the format sniffed from it."""

@@ -156,6 +156,19 @@ def test_unlisted_and_private_hosts_are_never_contacted(
     assert len(source.hits) == before  # refused before any connection
 
 
+def test_an_unlisted_name_is_refused_without_asking_the_dns(serve: Serve) -> None:
+    """With names listed and no CIDR, no address could allow an unlisted name: it is refused
+    unresolved, so a client cannot make the server look up names it chooses (data carried
+    out in DNS queries). `.invalid` never resolves: a lookup would fail as a fetch, not be
+    refused."""
+    server = serve(allow_url_fetch=["images.example.org"])
+    r = httpx.post(server.url + "/embed", json={"images": ["http://secret-data.invalid/x.png"]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "image_url_refused", r.text
+    assert "not in --allow-url-fetch" in error["message"]
+
+
 def test_fetches_are_bounded_per_process(serve: Serve, images: tuple[ImageServer, str]) -> None:
     source, base = images
     server = serve(allow_url_fetch=["127.0.0.1/32"], url_fetch_concurrency=1)
