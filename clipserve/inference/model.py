@@ -172,10 +172,14 @@ def load_model(config: ModelConfig) -> LoadedModel:
     import open_clip
     import torch
 
+    from clipserve.inference.hub import offline_if_unreachable, route_hub_logs
+
     name = resolve_name(config.model)
     pretrained = None if config.pretrained.lower() in ("none", "") else config.pretrained
     if config.checkpoint:
         pretrained = None
+    route_hub_logs()
+    offline = None if pretrained is None else offline_if_unreachable()
     try:
         # Random weights from one seed: every process (front ends' engine, a client's local
         # mode, an export) builds the same model, so their vectors and exports agree.
@@ -188,6 +192,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
             raise StartupError(
                 f"--model {config.model}: could not build {name} ({reason})"
             ) from None
+        if offline is not None:
+            reason = f"the Hub cannot be reached ({offline}) and the local cache has no copy"
         raise StartupError(
             f"--pretrained {config.pretrained}: could not load weights for {name} ({reason}); "
             "pass --checkpoint PATH with local weights, or --pretrained none for random weights"
