@@ -51,6 +51,10 @@ GONE_CODES = ("not_ready", "shutting_down")
 ITEM_STATUSES = (400, 413, 422)
 # Refusals of the request itself, never of its one item.
 NOT_ITEM_CODES = ("invalid_body", "invalid_header", "invalid_parameter", "too_many_items")
+# A 500 for a request of several images is sent again in halves, down to the image that fails
+# (the server fails a batch's items together when one breaks it); this many single images
+# failing with 500 in a row, none answered between, is a broken server: the call raises.
+FAILING_IN_A_ROW = 8
 
 
 class RemoteEngine:
@@ -98,6 +102,7 @@ class RemoteEngine:
         self._pool: ThreadPoolExecutor | None = None  # arrays to PNG, tensor-mode crops
         self._card: dict[str, Any] | None = None
         self._decoder: ImageDecoder | None = None
+        self._failing = 0  # single images answered 500 since the last answer (FAILING_IN_A_ROW)
 
     # ---- what the server told us --------------------------------------------------------------
 
@@ -265,11 +270,22 @@ class RemoteEngine:
                 position, _ = group.pop(e.position)
                 out.errors[position] = e.reason
                 continue
-            except _TooLarge:
+            except _Split:
                 half = len(group) // 2
                 await self._send_images(group[:half], out)
                 await self._send_images(group[half:], out)
                 return
+            except ServerError as e:
+                if e.status != 500 or len(group) != 1:
+                    raise
+                self._failing += 1
+                if self._failing >= FAILING_IN_A_ROW:
+                    raise ServerError(
+                        500, e.code, f"{e.message} ({self._failing} in a row)"
+                    ) from None
+                out.errors[group[0][0]] = f"the server failed on it: {e}"
+                return
+            self._failing = 0
             out.vectors[[p for p, _ in group]] = self._read(answer, len(group))
             return
 
@@ -291,8 +307,8 @@ class RemoteEngine:
         splittable: bool = False,
     ) -> httpx.Response:
         """The 2xx answer, after retries; Unusable(reason, position) when the server refuses
-        one of the request's `items`; with `splittable`, _TooLarge for a 413 that blames no
-        item; the client's errors for everything else."""
+        one of the request's `items`; with `splittable`, _Split for a 413 that blames no item
+        or a 500; the client's errors for everything else."""
         headers = wire.HEADERS if body is not None else None
         attempt = 0
         while True:
@@ -331,14 +347,17 @@ def _why(e: httpx.HTTPError) -> str:
     return str(e) or type(e).__name__
 
 
-class _TooLarge(Exception):
-    """A 413 that names no item: a body limit on the way (a proxy's; nginx's default is
-    1 MiB) lower than the server's. The request is sent again in halves."""
+class _Split(Exception):
+    """The request is sent again in halves: a 413 that names no item (a body limit on the way,
+    a proxy's, lower than the server's: nginx's default is 1 MiB), or a 500 (an item that
+    breaks the server's batch takes the others down with it)."""
 
 
 def _refused(refusal: wire.Refusal, items: int, what: str, splittable: bool) -> Exception:
     """The exception for an error answer that is not worth retrying."""
     status = refusal.status
+    if status == 500 and items > 1 and splittable:
+        return _Split()
     if status == 401:
         return Unauthorized(f"{what}: {refusal.message}")
     if status in (408, 504):  # the body sent too slowly, or the answer too late
@@ -347,7 +366,7 @@ def _refused(refusal: wire.Refusal, items: int, what: str, splittable: bool) -> 
         if refusal.item is not None and 0 <= refusal.item < items:
             return Unusable(refusal.reason, refusal.item)
         if status == 413 and items > 1 and splittable:
-            return _TooLarge()
+            return _Split()
         if items == 1 and refusal.code not in NOT_ITEM_CODES:
             return Unusable(refusal.message, 0)
     return ServerError(status, refusal.code, f"{what}: {refusal.message}")

@@ -9,6 +9,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from clipserve.client import (
@@ -164,3 +165,32 @@ def test_a_body_or_answer_past_the_deadline_is_a_request_timeout(status: int, co
     refusal = Refusal.of(status, encode_error(code, "request body not received within 1 s"))
     error = _refused(refusal, items=1, what="POST /embed", splittable=False)
     assert isinstance(error, RequestTimedOut) == (status != 500), error
+
+
+def test_a_500_fails_only_the_image_that_causes_it(serve: Serve) -> None:
+    """The server fails a batch's items together when one breaks it: the client sends the
+    request again in halves, down to that image, and the checked call keeps the rest."""
+    server = serve(backend="fake", backend_option=["fail_pixel=7"])
+    marks = [100 + i for i in range(10)]
+    marks[6] = 7
+    images = [marked_png(m, seed=i) for i, m in enumerate(marks)]
+    recording = Recording()
+    with Client(server.url, batch_size=10, transport=recording) as c:
+        checked = c.embed_images_checked(images)
+        alone = c.embed_images([images[0]])
+    assert list(checked.errors) == [6]
+    assert "the server failed on it" in checked.errors[6] and "500" in checked.errors[6]
+    assert np.isnan(checked.vectors[6]).all()
+    assert np.isfinite(np.delete(checked.vectors, 6, axis=0)).all()
+    np.testing.assert_allclose(checked.vectors[0], alone[0], atol=1e-6)
+    posts = [e for e in recording.exchanges if e.path == "/embed"]
+    # 0-9 fail; 0-4 pass, 5-9 fail; 5-6 fail, 5 passes, 6 fails; 7-9 pass; the lone one.
+    assert [e.status for e in posts] == [500, 200, 500, 500, 200, 500, 200, 200]
+
+
+def test_a_server_that_fails_every_image_ends_the_checked_call(serve: Serve) -> None:
+    server = serve(backend="fake", backend_option=["fail_pixel=7"])
+    images = [marked_png(7, seed=i) for i in range(40)]
+    with Client(server.url, batch_size=8, concurrency=1) as c, pytest.raises(ServerError) as e:
+        c.embed_images_checked(images)
+    assert e.value.status == 500 and "8 in a row" in e.value.message
