@@ -175,7 +175,8 @@ class HttpConfig:
     otel_endpoint: str = _opt(
         "",
         "OTLP/HTTP collector for OpenTelemetry traces, e.g. http://otel-collector:4318 (path "
-        "default /v1/traces): a span per request, one per stage, W3C traceparent followed; "
+        "default /v1/traces): a span per HTTP request and gRPC call, one per stage, W3C "
+        "traceparent (header or gRPC metadata) followed; "
         "needs the otel extra; empty: off",
     )
     shutdown_delay_s: float = _opt(

@@ -7,9 +7,11 @@ metadata, echoed in the trailing metadata: initial metadata sent on its own cost
 call, ~6% of a call's CPU), the key check and the rate limit's first token
 (`authorization: Bearer` or `x-api-key` metadata), the count and duration by method and by
 the HTTP status the same error would have (so dashboards and alerts read one series), the
-access line, and each domain error as a gRPC status (`grpc_status.py`). The guard also holds
-calls running to --max-connections: one more is the door's overload, UNAVAILABLE with
-`retry-pushback-ms`, counted and logged as a 503, as an HTTP connection over it is.
+access line, the call's span where --otel-endpoint is on (http/tracing.py: its parent the
+`traceparent` metadata, ModelInfer's stages its children), and each domain error as a gRPC
+status (`grpc_status.py`). The guard also holds calls running to --max-connections: one more is
+the door's overload, UNAVAILABLE with `retry-pushback-ms`, counted and logged as a 503, as an
+HTTP connection over it is.
 
 Every method is registered without grpc's deserializer, which would run before the guard: a
 message that does not parse would then be UNKNOWN with the exception's class in its text, a
@@ -26,7 +28,8 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeAlias, TypeVar, cast
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, cast
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -40,10 +43,13 @@ from clipserve.http.connections import CAP_LOG_INTERVAL_S, refusal_room
 from clipserve.http.grpc_status import grpc_error
 from clipserve.http.keys import Grant
 from clipserve.http.listeners import check_tls
-from clipserve.http.observer import new_request_id, valid_request_id
+from clipserve.http.observer import new_request_id, request_tracing, valid_request_id
 from clipserve.http.status import CLIENT_CLOSED, status_for
 from clipserve.logs import ACCESS, log_access
 from clipserve.metrics import Metrics
+
+if TYPE_CHECKING:
+    from clipserve.http.tracing import RequestSpan, RequestTracing
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,14 @@ Context: TypeAlias = grpc.aio.ServicerContext[Req, Resp]  # a call's, as grpc.ai
 Handler: TypeAlias = Callable[[Req, Context[Req, Resp], str], Awaitable[Resp]]
 # What grpc.aio calls: a handler wrapped by CallGuard.
 Behaviour: TypeAlias = Callable[[Req, Context[Req, Resp]], Awaitable[Resp]]
+# The running call's span, set only while tracing is on. grpc.aio runs each call in a task of
+# its own, so the value is the call's alone and goes with its task.
+_CALL_SPAN: ContextVar[RequestSpan | None] = ContextVar("clipserve_call_span", default=None)
+
+
+def call_span() -> RequestSpan | None:
+    """The running call's span, for the handler to hand its exchange (stages, items)."""
+    return _CALL_SPAN.get()
 
 
 def _metadata(sent: grpc.aio.Metadata | None) -> dict[str, str | bytes]:
@@ -82,11 +96,16 @@ class CallGuard:
     """What wraps every RPC: see the module's notes."""
 
     def __init__(
-        self, metrics: Metrics, access: Access | None, max_calls: int | None = None
+        self,
+        metrics: Metrics,
+        access: Access | None,
+        max_calls: int | None = None,
+        tracing: RequestTracing | None = None,
     ) -> None:
         self.metrics = metrics
         self.access = access
         self.max_calls = max_calls  # --max-connections; None: no limit of ours
+        self.tracing = tracing  # --otel-endpoint's; None: off, one test a call
         self.running = 0  # calls held to max_calls and not yet answered
         self._warned, self._suppressed = -math.inf, 0
 
@@ -94,12 +113,14 @@ class CallGuard:
         route = f"/{SERVICE}/{method}"
         guarded = method not in OPEN_METHODS
         limit = self.max_calls if guarded else None
+        tracing = self.tracing
 
         async def call(request: Req, context: Context[Req, Resp]) -> Resp:
             t0 = time.perf_counter()
             metadata = _metadata(context.invocation_metadata())
             request_id = _request_id(metadata)
             status, key, held = 200, None, False
+            span = None if tracing is None else _started(tracing, method, metadata, context)
             context.set_trailing_metadata((("x-request-id", request_id),))  # sent with the status
             try:
                 if limit is not None:
@@ -141,6 +162,8 @@ class CallGuard:
                 if ACCESS.isEnabledFor(logging.INFO):
                     peer = context.peer()
                     log_access(request_id, "GRPC", route, route, status, elapsed, None, peer, key)
+                if span is not None:
+                    span.finish_call(_answered(context, status), request_id, key)
 
         return call
 
@@ -175,6 +198,29 @@ class CallGuard:
                 else "an API key is required: authorization: Bearer <key>, or x-api-key: <key>"
             )
         return grant
+
+
+def _started(
+    tracing: RequestTracing,
+    method: str,
+    metadata: dict[str, str | bytes],
+    context: Context[Any, Any],
+) -> RequestSpan:
+    span = tracing.start_call(SERVICE, method, metadata, context.peer())
+    _CALL_SPAN.set(span)
+    return span
+
+
+def _answered(context: Context[Any, Any], status: int) -> grpc.StatusCode:
+    """The code the call ended with: the one aborted with, else OK or, cut off, the client's."""
+    code = context.code()
+    if code is not None:
+        return code
+    if status != CLIENT_CLOSED:
+        return grpc.StatusCode.OK
+    remaining = context.time_remaining()
+    cancelled = remaining is None or remaining > 0
+    return grpc.StatusCode.CANCELLED if cancelled else grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class Methods:
@@ -284,7 +330,8 @@ def build_grpc_server(
     server = grpc.aio.server(
         options=server_options(config, reuse_port), maximum_concurrent_rpcs=ceiling
     )
-    methods = Methods(CallGuard(metrics, access, http.max_connections))
+    tracing = request_tracing(http.otel_endpoint)  # HTTP's: one exporter per process
+    methods = Methods(CallGuard(metrics, access, http.max_connections, tracing))
     servicer.register(methods)
     generic = grpc.method_handlers_generic_handler(SERVICE, methods.handlers)
     server.add_generic_rpc_handlers((generic,))

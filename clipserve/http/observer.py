@@ -4,6 +4,7 @@ no route gives (a bad request id, an unhandled error, a request cut off by the d
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import re
@@ -41,8 +42,10 @@ def new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
 
 
+@functools.cache
 def request_tracing(endpoint: str) -> RequestTracing | None:
-    """--otel-endpoint's tracing, None when off: OpenTelemetry is imported only when on."""
+    """--otel-endpoint's tracing, None when off: OpenTelemetry is imported only when on. One
+    per process and endpoint: HTTP's spans and gRPC's leave through one exporter."""
     if not endpoint:
         return None
     from clipserve.http.tracing import RequestTracing

@@ -1,5 +1,6 @@
-"""--otel-endpoint: a server span per request with its stages as children, exported over
-OTLP/HTTP to a collector (here a real one on a loopback port, decoding what the SDK sends)."""
+"""--otel-endpoint: a server span per request (HTTP) or call (gRPC, the real `tritonclient.grpc`)
+with its stages as children, exported over OTLP/HTTP to a collector (here a real one on a
+loopback port, decoding what the SDK sends)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,25 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import psutil
 import pytest
+import tritonclient.grpc as tg
+from tritonclient.utils import InferenceServerException
 
 from clipserve.config import load_config
 from clipserve.errors import ConfigError
-from tests.helpers import PNG, Serve, cli_server, marked_png, until
+from clipserve.http.observer import request_tracing
+from tests.helpers import (
+    PNG,
+    RunningServer,
+    Serve,
+    cli_server,
+    free_port,
+    marked_png,
+    model_name,
+    until,
+)
 
 needs_otel = pytest.mark.skipif(
     importlib.util.find_spec("opentelemetry.sdk") is None,
@@ -29,6 +43,7 @@ needs_otel = pytest.mark.skipif(
 )
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN = "b7ad6b7169203331"
+GRPC_SERVICE = "inference.GRPCInferenceService"
 STAGES = {"receive", "decode", "queue", "compute", "encode"}
 SERVER_KIND = 2  # SpanKind.SPAN_KIND_SERVER in OTLP
 ERROR_STATUS = 2  # Status.STATUS_CODE_ERROR
@@ -44,6 +59,7 @@ class Span:
     start_ns: int
     end_ns: int
     status: int
+    trace_state: str
     attributes: dict[str, Any]
     pid: int  # the exporting process's (its resource's process.pid)
     resource: dict[str, Any]  # the exporting process's resource: service.name and the rest
@@ -76,6 +92,7 @@ class Collector:
                         s.start_time_unix_nano,
                         s.end_time_unix_nano,
                         s.status.code,
+                        s.trace_state,
                         _attributes(s.attributes),
                         int(resource["process.pid"]),
                         resource,
@@ -139,6 +156,9 @@ def collector(monkeypatch: pytest.MonkeyPatch) -> Iterator[Collector]:
     finally:
         server.shutdown()
         server.server_close()
+        # Tracing is one per process and endpoint: a later collector given this port again
+        # gets a provider read from its own test's variables.
+        request_tracing.cache_clear()
 
 
 def _server_timing(header: str) -> dict[str, float]:
@@ -313,3 +333,116 @@ def _names_if_all(collector: Collector, span: Span) -> set[str]:
     """The span's stage names once all have arrived (empty until then)."""
     names = {c.name for c in collector.children(span)}
     return names if names >= STAGES else set()
+
+
+# ---- gRPC: Triton's service, the real tritonclient ----------------------------------------------
+
+
+def _grpc(server: RunningServer) -> tg.InferenceServerClient:
+    return tg.InferenceServerClient(f"127.0.0.1:{server.app.state.grpc_port}")
+
+
+def _image(png: bytes, name: str = "image") -> tg.InferInput:
+    inp = tg.InferInput(name, [1, 1], "BYTES")
+    inp.set_data_from_numpy(np.array([[png]], dtype=np.object_))
+    return inp
+
+
+def _exported(collector: Collector, request_id: str) -> Span:
+    span = until(lambda: collector.request(request_id), 30, f"{request_id}'s span exported")
+    assert span is not None
+    return span
+
+
+@needs_otel
+def test_a_grpc_call_is_a_server_span_with_its_stages_inside(
+    serve: Serve, collector: Collector
+) -> None:
+    server = serve(backend="fake", otel_endpoint=collector.url, grpc_port=free_port())
+    with _grpc(server) as client:
+        result = client.infer(
+            model_name(server), [_image(marked_png(1))], headers={"x-request-id": "g-infer"}
+        )
+        assert result.as_numpy("embedding").shape[0] == 1
+        assert client.is_server_live(headers={"x-request-id": "g-live"})
+    span = _exported(collector, "g-infer")
+
+    # gRPC's semantic attributes in place of HTTP's; clipserve's own as over HTTP.
+    assert span.name == f"{GRPC_SERVICE}/ModelInfer"
+    assert span.kind == SERVER_KIND
+    assert span.attributes["rpc.system"] == "grpc"
+    assert span.attributes["rpc.service"] == GRPC_SERVICE
+    assert span.attributes["rpc.method"] == "ModelInfer"
+    assert span.attributes["rpc.grpc.status_code"] == 0  # OK
+    assert span.attributes["client.address"] == "127.0.0.1"
+    assert isinstance(span.attributes["client.port"], int)
+    assert span.attributes["clipserve.items"] == 1
+    assert span.status != ERROR_STATUS
+    assert span.parent == "" and span.trace_id != TRACE_ID  # no traceparent: its own trace
+
+    # One child per stage the call timed, end to end inside the call's span.
+    names = until(functools.partial(_names_if_all, collector, span), 30, "its stages")
+    assert names >= STAGES
+    children = collector.children(span)
+    for child in children:
+        assert child.trace_id == span.trace_id
+        assert span.start_ns <= child.start_ns <= child.end_ns <= span.end_ns, child.name
+    assert sum(c.end_ns - c.start_ns for c in children) <= span.end_ns - span.start_ns
+
+    # A probe is a span too, as HTTP's are; it times no stages.
+    live = _exported(collector, "g-live")
+    assert live.name == f"{GRPC_SERVICE}/ServerLive"
+    assert live.attributes["rpc.grpc.status_code"] == 0
+    assert "clipserve.items" not in live.attributes
+    assert collector.children(live) == []
+
+
+@needs_otel
+def test_a_grpc_call_continues_the_trace_in_its_metadata(
+    serve: Serve, collector: Collector
+) -> None:
+    server = serve(backend="fake", otel_endpoint=collector.url, grpc_port=free_port())
+    metadata = {
+        "traceparent": f"00-{TRACE_ID}-{CALLER_SPAN}-01",
+        "tracestate": "vendor=opaque",
+        "x-request-id": "g-traced",
+    }
+    with _grpc(server) as client:
+        client.infer(model_name(server), [_image(marked_png(2))], headers=metadata)
+    span = _exported(collector, "g-traced")
+    assert (span.trace_id, span.parent) == (TRACE_ID, CALLER_SPAN)
+    assert span.trace_state == "vendor=opaque"
+    names = until(functools.partial(_names_if_all, collector, span), 30, "its stages")
+    assert names >= STAGES
+    assert all(c.trace_id == TRACE_ID for c in collector.children(span))
+
+
+@needs_otel
+def test_a_failed_grpc_call_records_its_status(serve: Serve, collector: Collector) -> None:
+    server = serve(
+        backend="fake",
+        backend_option=["fail_pixel=7"],
+        otel_endpoint=collector.url,
+        grpc_port=free_port(),
+    )
+    bad = tg.InferInput("pixels", [1, 7, 7, 3], "UINT8")  # the model takes 224 by 224
+    bad.set_data_from_numpy(np.zeros((1, 7, 7, 3), np.uint8))
+    with _grpc(server) as client:
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer(model_name(server), [bad], headers={"x-request-id": "g-bad"})
+        assert str(refused.value.status()) == "StatusCode.INVALID_ARGUMENT"
+        with pytest.raises(InferenceServerException) as failed:
+            client.infer(
+                model_name(server), [_image(marked_png(7))], headers={"x-request-id": "g-failed"}
+            )
+        assert str(failed.value.status()) == "StatusCode.INTERNAL"
+    bad_span, failed_span = _exported(collector, "g-bad"), _exported(collector, "g-failed")
+
+    assert bad_span.attributes["rpc.grpc.status_code"] == 3  # INVALID_ARGUMENT
+    assert bad_span.status != ERROR_STATUS  # the client's error, not the server's
+    assert "clipserve.items" not in bad_span.attributes  # none parsed
+    assert failed_span.attributes["clipserve.items"] == 1
+    assert failed_span.attributes["rpc.grpc.status_code"] == 13  # INTERNAL
+    assert failed_span.status == ERROR_STATUS
+    # The stages the failed call ran are there too.
+    until(lambda: {c.name for c in collector.children(failed_span)} >= {"decode", "queue"}, 30)

@@ -24,7 +24,7 @@ from clipserve.http import health, stats
 from clipserve.http.cache_keys import reads_cache
 from clipserve.http.doors.kserve import serving_of, work_of
 from clipserve.http.doors.kserve_shm import CUDA_UNSUPPORTED
-from clipserve.http.grpc_server import Context, Methods
+from clipserve.http.grpc_server import Context, Methods, call_span
 from clipserve.http.names import KServeModel, resolve_model
 from clipserve.http.pipeline import Pipeline, Serving
 from clipserve.http.request import BodyBudget, RequestContext
@@ -165,10 +165,12 @@ class InferenceServicer(Generic[TicketT]):
 
     def __init__(self, pipeline: Pipeline[TicketT]) -> None:
         self.pipeline = pipeline
+        self.traced = False  # whether the guard traces calls (--otel-endpoint)
 
     def register(self, methods: Methods) -> None:
         """Each method under its own name, with Triton's message types for it."""
         m = methods
+        self.traced = m.guard.tracing is not None
         m.unary(self.ServerLive, pb.ServerLiveRequest, pb.ServerLiveResponse)
         m.unary(self.ServerReady, pb.ServerReadyRequest, pb.ServerReadyResponse)
         m.unary(self.ModelReady, pb.ModelReadyRequest, pb.ModelReadyResponse)
@@ -368,7 +370,10 @@ class InferenceServicer(Generic[TicketT]):
         call = GrpcInfer(
             pipeline.runtime, name, model, limits, output, regions.read, regions.write, regions.fits
         )
-        ctx, encoded = await pipeline.run(GrpcExchange(context, rid, body), call)
+        exchange = GrpcExchange(context, rid, body)
+        if self.traced and (span := call_span()) is not None:
+            span.exchange = exchange  # the call's span gets its stages and items
+        ctx, encoded = await pipeline.run(exchange, call)
         timing = ("server-timing", ctx.timer.header())
         context.set_trailing_metadata((("x-request-id", rid), timing))
         return encoded.content
