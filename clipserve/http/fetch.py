@@ -4,7 +4,8 @@ listed, bounded in time, size and concurrency, and never trusting what the remot
 The address check runs where the connection is made: a resolver that answers only with allowed
 addresses, so a name that re-resolves to 127.0.0.1 between a check and the connect (DNS
 rebinding) still cannot reach it, and every redirect hop goes through it again. URLs that name
-an IP directly skip resolvers, so they are checked before the request.
+an IP directly skip resolvers, so they are checked before the request, parsed as aiohttp
+parses them (yarl), which is the host it connects to.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import ipaddress
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urljoin
 
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
+from yarl import URL
 
 from clipserve.config import AccessConfig
 from clipserve.errors import ImageFetchFailed, ImageTooLarge, ImageUrlForbidden, with_item_index
@@ -33,6 +35,7 @@ MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n")
 # Cloud metadata services answer on link-local and these; refused even where a CIDR allows
 # their range, unless that exact address is listed.
 METADATA = {ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")}
+NAT64 = ipaddress.ip_network("64:ff9b::/96")  # global to Python, yet it reaches IPv4 hosts
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,9 @@ class AllowList:
     def check(self, host: str, ip: IPAddress) -> None:
         """Raise unless `host` resolving to `ip` may be fetched: the name or the address must
         be listed, and an address that is not public must be inside a listed CIDR itself (a
-        listed name pointing inside the network is how SSRF gets in)."""
+        listed name pointing inside the network is how SSRF gets in). An IPv6 address that
+        carries an IPv4 one (mapped, 6to4, NAT64) is judged by the IPv4 address it reaches."""
+        ip = embedded_ipv4(ip) or ip
         in_cidr = self.listed_address(ip)
         if not ip.is_global or ip in METADATA:
             exact = any(net.num_addresses == 1 and ip in net for net in self.networks)
@@ -84,6 +89,15 @@ class AllowList:
                 )
         if not (in_cidr or self.listed_name(host)):
             raise ImageUrlForbidden(f"host {host!r} is not in --allow-url-fetch")
+
+
+def embedded_ipv4(ip: IPAddress) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 one reaches through a translator, or None."""
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return None
+    if ip in NAT64:  # the well-known prefix: the last 32 bits are the IPv4 address
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return ip.ipv4_mapped or ip.sixtofour
 
 
 class _CheckedResolver(AbstractResolver):
@@ -155,8 +169,8 @@ class ImageFetcher:
 
     async def _follow(self, session: aiohttp.ClientSession, url: str) -> bytes:
         for _ in range(MAX_REDIRECTS + 1):
-            self._check_literal(url)
-            async with session.get(url, allow_redirects=False) as response:
+            target = self._check_literal(url)
+            async with session.get(target, allow_redirects=False) as response:
                 if response.status in (301, 302, 303, 307, 308):
                     location = response.headers.get("Location", "")
                     url = urljoin(url, location)
@@ -168,21 +182,27 @@ class ImageFetcher:
                 return await self._read(response, url)
         raise ImageFetchFailed(f"more than {MAX_REDIRECTS} redirects")
 
-    def _check_literal(self, url: str) -> None:
-        """Schemes, hosts given as IP addresses (they bypass the resolver), and names that no
-        address could allow: with no CIDR listed, an unlisted name is refused unresolved (a
-        client's name must not reach the DNS, where it could carry data out)."""
-        parts = urlsplit(url)
-        host = parts.hostname
-        if parts.scheme not in ("http", "https") or not host:
+    def _check_literal(self, url: str) -> URL:
+        """The URL as aiohttp will connect to it (yarl's parse: IDNA folds `①②⑦.0.0.1` and
+        fullwidth digits into 127.0.0.1, which urllib reads as a name), checked: its scheme,
+        a host given as an IP address (it bypasses the resolver), and a name no address could
+        allow: with no CIDR listed, an unlisted name is refused unresolved (a client's name
+        must not reach the DNS, where it could carry data out)."""
+        try:
+            target = URL(url)
+            host = target.host
+        except (ValueError, UnicodeError):
+            raise ImageUrlForbidden(f"{_short(url)} is not a valid URL") from None
+        if target.scheme not in ("http", "https") or not host:
             raise ImageUrlForbidden(f"{_short(url)} is not an http(s) URL with a host")
         try:
             ip = ipaddress.ip_address(host)
         except ValueError:
             if not self.allow.networks and not self.allow.listed_name(host):
                 raise ImageUrlForbidden(f"host {host!r} is not in --allow-url-fetch") from None
-            return
+            return target
         self.allow.check(host, ip)
+        return target
 
     async def _read(self, response: aiohttp.ClientResponse, url: str) -> bytes:
         """The body as a stream, stopped at --url-max-bytes; the format sniffed from it."""

@@ -156,6 +156,23 @@ def test_unlisted_and_private_hosts_are_never_contacted(
     assert len(source.hits) == before  # refused before any connection
 
 
+def test_hosts_written_in_other_digits_are_checked_as_the_address_they_reach(
+    serve: Serve, images: tuple[ImageServer, str]
+) -> None:
+    """aiohttp reads the host as IDNA does: circled and fullwidth digits are 127.0.0.1 there,
+    though urllib reads a name. The check reads it as aiohttp does, redirects too."""
+    source, base = images
+    port = base.rsplit(":", 1)[1]
+    server = serve(allow_url_fetch=["8.8.8.0/24"])  # a CIDR: names are resolved, not refused
+    before = len(source.hits)
+    for host in ("①②⑦.0.0.1", "１２７.０.０.１", "①⑥⑨.②⑤④.①⑥⑨.②⑤④"):
+        r = httpx.post(server.url + "/embed", json={"images": [f"http://{host}:{port}/cat.png"]})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "image_url_refused", r.text
+        assert "non-public address" in r.json()["error"]["message"], r.text
+    assert len(source.hits) == before  # refused before any connection
+
+
 def test_an_unlisted_name_is_refused_without_asking_the_dns(serve: Serve) -> None:
     """With names listed and no CIDR, no address could allow an unlisted name: it is refused
     unresolved, so a client cannot make the server look up names it chooses (data carried
@@ -191,6 +208,10 @@ def test_allow_list_rules() -> None:
         ("cdn.example.org", "127.0.0.1", "non-public"),  # a listed name rebound to loopback
         ("cdn.example.org", "192.168.1.1", "non-public"),
         ("x.example.org", "fd00:ec2::254", "non-public"),
+        # IPv6 forms that reach an IPv4 host: judged by that host (NAT64, 6to4, mapped).
+        ("cdn.example.org", "64:ff9b::ac10:1", "non-public address 172.16.0.1"),
+        ("cdn.example.org", "2002:7f00:1::", "non-public address 127.0.0.1"),
+        ("cdn.example.org", "::ffff:192.168.0.1", "non-public address 192.168.0.1"),
     ]:
         with pytest.raises(ImageUrlForbidden, match=why):
             allow.check(host, ip(address))
