@@ -165,7 +165,8 @@ def test_hosts_written_in_other_digits_are_checked_as_the_address_they_reach(
     port = base.rsplit(":", 1)[1]
     server = serve(allow_url_fetch=["8.8.8.0/24"])  # a CIDR: names are resolved, not refused
     before = len(source.hits)
-    for host in ("①②⑦.0.0.1", "１２７.０.０.１", "①⑥⑨.②⑤④.①⑥⑨.②⑤④"):
+    fullwidth = "".join(chr(0xFF10 + int(c)) if c.isdigit() else c for c in "127.0.0.1")
+    for host in ("①②⑦.0.0.1", fullwidth, "①⑥⑨.②⑤④.①⑥⑨.②⑤④"):
         r = httpx.post(server.url + "/embed", json={"images": [f"http://{host}:{port}/cat.png"]})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "image_url_refused", r.text
