@@ -160,7 +160,7 @@ def main() -> None:
         flags = ["--backend", "fake", "--backend-option", "compute=0", "--model"]
         flags += [str(tiny_model(Path(tmp))), "--pretrained", "none", "--gpus", "cpu"]
         flags += ["--cache-mb", "0", "--grpc-port", str(grpc_port), "--log-level", "warning"]
-        flags += ["--max-queue-size", "1024", "--max-batch-size", "32"]
+        flags += ["--max-queue-size", "1024", "--max-batch-size", "32", "--shm-max-regions", "8"]
         with clipserve_process(flags, cpus={server_core}) as (proc, url):
             server = psutil.Process(proc.pid)
             variants = list(VARIANTS)

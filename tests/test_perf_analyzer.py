@@ -54,6 +54,7 @@ def server(tiny_config: Path) -> Iterator[tuple[str, int]]:
     grpc_port = free_port()
     flags = ["--backend", "fake", "--model", str(tiny_config), "--pretrained", "none"]
     flags += ["--gpus", "cpu", "--cache-mb", "0", "--grpc-port", str(grpc_port)]
+    flags += ["--shm-max-regions", "8"]  # perf_analyzer's --shared-memory system
     with clipserve_process(flags, startup_s=120) as (_, url):
         yield url.removeprefix("http://"), grpc_port
 

@@ -123,7 +123,12 @@ class LimitsConfig:
     )
     max_items_per_request: int = _opt(64, "most images in one request")
     max_text_chars: int = _opt(1000, "longest text in characters, on every route")
-    shm_max_regions: int = _opt(64, "most system shared-memory regions registered at once")
+    shm_max_regions: int = _opt(
+        0,
+        "most system shared-memory regions registered at once; 0: Triton's system shared "
+        "memory is off. A client that may register regions reads and writes whatever the "
+        "server's user can open in /dev/shm: turn it on for trusted clients on the host only",
+    )
     shm_max_bytes: int = _opt(1 << 30, "most bytes of the registered regions together")
     truncate_text: bool = _opt(
         False,

@@ -11,6 +11,10 @@ that truncates its object after registering would turn a mapped read into SIGBUS
 cannot catch, where `pread` just comes back short (a 400). Keys are checked (a name in
 /dev/shm, not ours: a client must not make the server write into its own slot files), opened
 with O_NOFOLLOW and must be regular files large enough for the region.
+
+Off unless --shm-max-regions is above 0: as in Triton, a client that registers a region is
+trusted with every object the server's user can open in /dev/shm, and regions are server-wide
+(any client, any API key, sees and uses them).
 """
 
 from __future__ import annotations
@@ -25,13 +29,16 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from clipserve.errors import InvalidParameter, InvalidTensor, PayloadTooLarge
+from clipserve.errors import InvalidParameter, InvalidTensor, PayloadTooLarge, Unsupported
 from clipserve.protocol.shm import RegionRef
 
 SHM = Path("/dev/shm")
 _KEY = re.compile(r"/?[A-Za-z0-9._-]{1,200}")
 _NAME = re.compile(r"[\x21-\x7e]{1,256}")
 OURS = "clipserve"  # the server's own files: slots, budgets, buckets, this table
+# Objects no client region may name: ours, and those Python's multiprocessing (semaphores,
+# shared_memory) and torch's tensor sharing make in this process tree.
+NOT_CLIENTS = (OURS, "sem.", "psm_", "torch_")
 
 
 def _count(value: object, field: str) -> int:
@@ -89,6 +96,11 @@ class SharedMemoryRegions:
 
     def register(self, name: str, key: str, offset: object, byte_size: object) -> None:
         """`offset` and `byte_size` as the client sent them (checked here)."""
+        if self.max_regions == 0:
+            raise Unsupported(
+                "system shared memory is off on this server (--shm-max-regions 0); it trusts "
+                "a registering client with the server's /dev/shm, so the operator turns it on"
+            )
         if _NAME.fullmatch(name) is None:
             raise InvalidParameter(f"region name {name[:40]!r}: 1 to 256 visible characters")
         offset, byte_size = _count(offset, "offset"), _count(byte_size, "byte_size")
@@ -203,7 +215,7 @@ class SharedMemoryRegions:
                 f"key {str(key)[:40]!r}: a POSIX shared memory name, such as /my_region"
             )
         name = key.lstrip("/")
-        if name.startswith(OURS) or name in (".", ".."):
+        if name.startswith(NOT_CLIENTS) or name in (".", ".."):
             raise InvalidParameter(f"key {key!r} is not a client's shared memory object")
         try:
             fd = os.open(SHM / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)

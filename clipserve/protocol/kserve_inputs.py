@@ -192,9 +192,8 @@ def _binary_elements(raw: memoryview, n: int) -> list[bytes]:
         (size,) = LENGTH.unpack_from(raw, offset)
         offset += 4
         if offset + size > len(raw):
-            raise InvalidTensor(
-                f"BYTES element {len(elements)}: length {size} runs past the tensor's data"
-            )
+            # The length read is not echoed: the data may be a shared memory region's.
+            raise InvalidTensor(f"BYTES element {len(elements)}: its length runs past the data")
         elements.append(bytes(raw[offset : offset + size]))
         offset += size
     if len(elements) != n:

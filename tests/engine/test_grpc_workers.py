@@ -158,7 +158,8 @@ def test_a_shared_memory_region_registered_on_one_front_end_serves_on_all(
     region = shm.create_shared_memory_region("in", key, pixels.nbytes)
     try:
         shm.set_shared_memory_region(region, [pixels])
-        with workers(tiny_config, tmp_path, "--grpc-port", str(grpc_port)) as server:
+        flags = ("--grpc-port", str(grpc_port), "--shm-max-regions", "4")
+        with workers(tiny_config, tmp_path, *flags) as server:
             registrar = _client(grpc_port)
             registrar.register_system_shared_memory("in", key, pixels.nbytes)
             registrar.close()

@@ -254,6 +254,7 @@ def test_with_workers_a_region_registered_on_one_front_end_serves_every_one(
     cmd = [sys.executable, "-m", "clipserve", "--workers", str(FRONT_ENDS), "--backend", "fake"]
     cmd += ["--model", str(tiny_config), "--pretrained", "none", "--gpus", "cpu"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--grpc-port", "0"]
+    cmd += ["--shm-max-regions", "4"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     served = Server(proc, port, log)
@@ -303,6 +304,7 @@ def limited(serve: Serve) -> RunningServer:
     """Regions of up to 128 MiB, bodies of at most 1 MiB, a 1 s deadline."""
     return serve(
         grpc_port=free_port(),
+        shm_max_regions=4,
         shm_max_bytes=128 << 20,
         max_body_bytes=1 << 20,
         request_timeout_s=1,
@@ -468,6 +470,7 @@ def test_bytes_read_from_a_region_count_against_the_body_budget(
         backend="fake",
         backend_option=["latency_ms=1500"],
         grpc_port=free_port(),
+        shm_max_regions=4,
         shm_max_bytes=4 << 20,
         max_body_bytes=200_000,
         max_body_bytes_in_flight=300_000,

@@ -241,7 +241,7 @@ def test_invalid_requests_are_refused_with_a_reason(
 def test_malformed_binary_bytes_elements() -> None:
     good = kserve.serialize_bytes(JPEGS)
     for raw, message in [
-        (good[:-1], "element 1: length 23 runs past"),
+        (good[:-1], "element 1: its length runs past"),
         (good + b"\x01\x00", "more than the 2 elements"),
         (kserve.serialize_bytes(JPEGS[:1]), "holds 1 elements; the shape says 2"),
         (good[:2], "truncated length prefix"),
