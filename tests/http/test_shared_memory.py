@@ -158,6 +158,16 @@ def test_refusals_are_client_errors_and_the_server_survives(
         )
     finally:
         own.unlink()
+    semaphore = Path("/dev/shm") / f"sem.mp-{os.getpid()}"  # as multiprocessing names them
+    semaphore.write_bytes(bytes(64))
+    try:
+        refused(
+            lambda: grpc.register_system_shared_memory("r", "/" + semaphore.name, 8),
+            "INVALID_ARGUMENT",
+            "not a client's",
+        )
+    finally:
+        semaphore.unlink()
     link = Path("/dev/shm") / f"link_{os.getpid()}"
     link.symlink_to(f"/dev/shm/in_{os.getpid()}")
     try:
@@ -503,3 +513,23 @@ def test_bytes_read_from_a_region_count_against_the_body_budget(
     assert budget.used == 0  # both given back
     assert infer(image).status_code == 200
     http.close()
+
+
+def test_shared_memory_is_off_by_default(serve: Serve, regions: list[Any]) -> None:
+    """Registering trusts a client with the server's /dev/shm: off until the operator sets
+    --shm-max-regions, on both protocols, and nothing is opened."""
+    server = serve(grpc_port=free_port())
+    http, grpc = _clients(server)
+    _region(regions, "in", 64)
+    key = f"/in_{os.getpid()}"
+    for call, code in (
+        (lambda: http.register_system_shared_memory("r", key, 8), "400"),
+        (lambda: grpc.register_system_shared_memory("r", key, 8), "UNIMPLEMENTED"),
+    ):
+        with pytest.raises(InferenceServerException) as e:
+            call()
+        assert code in str(e.value.status()), e.value
+        assert "--shm-max-regions" in e.value.message(), e.value.message()
+    assert not http.get_system_shared_memory_status()
+    http.close()
+    grpc.close()
