@@ -10,6 +10,8 @@
 #  6. SIGTERM under load: every request sent is answered, the exit code is 0
 #  7. the CUDA image built the same way; `clipserve doctor --gpus cpu` recorded, and its server
 #     started with --gpus cpu until healthy and stopped (SKIP_CUDA=1 leaves this out)
+#  8. in each running image, every installed package that constraints.txt pins is at its pin
+#     (the Dockerfiles install under it); the rest is listed as unpinned
 # Writes $OUT (JSON: sizes, build times, time to ready, drain) and $LOG (this run's output).
 # Where no Docker engine answers it says so and exits 0: nothing is checked then.
 # Environment: DOCKER (the client), BASE_IMAGE, CUDA_BASE_IMAGE, PIP_INDEX_URL, TORCH_INDEX_URL,
@@ -33,11 +35,29 @@ if ! "$DOCKER" info >/dev/null 2>&1; then
   exit 0
 fi
 mkdir -p "$(dirname "$OUT")" "$(dirname "$LOG")"
+failures=()
 exec > >(tee "$LOG") 2>&1
 
 say() { echo "docker-test: $(date -u +%H:%M:%S) $*"; }
 now() { date +%s.%N; }
 since() { python3 -c "import sys; print(round($(now) - $1, 1))"; }
+# Installed versions against constraints.txt (mounted at /models), run inside an image: a torch
+# X+cpu holds to a pin X, as pip's matching does.
+held_py="
+import json, re
+from importlib.metadata import distributions
+def norm(n): return re.sub(r'[-_.]+', '-', n).lower()
+pins = {norm(k): v for k, v in (l.strip().split('==', 1) for l in open('/models/constraints.txt')
+                                if '==' in l and not l.startswith('#'))}
+got = {norm(d.metadata['Name']): d.version for d in distributions()}
+print(json.dumps({'file': 'constraints.txt', 'pins': len(pins), 'installed': len(got),
+    'held': sum(n in pins for n in got),
+    'off_pin': {n: [v, pins[n]] for n, v in sorted(got.items())
+                if n in pins and v.split('+')[0] != pins[n]},
+    'unpinned': sorted(n for n in got if n not in pins and n != 'clipserve'),
+    'versions': {n: got.get(n) for n in ('torch', 'torchvision', 'numpy', 'onnxruntime-gpu',
+                                         'onnxruntime', 'pillow', 'uvicorn', 'open-clip-torch')}}))
+"
 free_port() { python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 
 # BuildKit: the Dockerfiles mount secrets and the build stage's wheels.
@@ -94,6 +114,7 @@ cleanup() {
 }
 trap cleanup EXIT
 chmod 755 "$models"
+install -m 644 constraints.txt "$models/constraints.txt"
 say "writing the tests' tiny model (random weights) and a JPEG with the image"
 "$DOCKER" run --rm --network none --user 0 -v "$models:/models" --entrypoint python clipserve:cpu -c "
 import json, os, open_clip, torch
@@ -137,8 +158,11 @@ whoami=$("$DOCKER" exec "$name" id -un)
 [ "$whoami" = clipserve ] || { say "FAILED: the server runs as '$whoami'"; exit 1; }
 checks=$(python3 docker/probe.py check "$port" "$models/photo.jpg")
 say "checks: $checks"
+held=$("$DOCKER" exec "$name" python -c "$held_py")
+say "against constraints.txt: $held"
+off_pin() { python3 -c 'import json, sys; sys.exit(bool(json.loads(sys.argv[1])["off_pin"]))' "$1"; }
+off_pin "$held" || failures+=("clipserve:cpu has packages off constraints.txt")
 say "SIGTERM under load"
-failures=()
 drain=$(python3 docker/probe.py drain "$port" "$models/photo.jpg" "$name" "$DOCKER") \
   || failures+=("SIGTERM under load")
 [ -n "$drain" ] || drain=null
@@ -166,6 +190,9 @@ if [ "${SKIP_CUDA:-0}" != 1 ]; then
   cuda_ready=$(python3 docker/probe.py ready "$port" "$name-cuda" "$DOCKER")
   cuda_checks=$(python3 docker/probe.py check "$port" "$models/photo.jpg")
   say "ready: $cuda_ready; checks: $cuda_checks"
+  cuda_held=$("$DOCKER" exec "$name-cuda" python3 -c "$held_py")
+  say "against constraints.txt: $cuda_held"
+  off_pin "$cuda_held" || failures+=("clipserve:cuda has packages off constraints.txt")
   # doctor in the running container: no second multi-GB copy of the image on a vfs engine.
   doctor_rc=0
   doctor=$("$DOCKER" exec "$name-cuda" clipserve doctor --gpus cpu --backend torch \
@@ -180,16 +207,18 @@ if [ "${SKIP_CUDA:-0}" != 1 ]; then
     'base_image': sys.argv[1], 'image_bytes': int(sys.argv[2]), 'build_s': float(sys.argv[3]),
     'gpus': 'cpu', **json.loads(sys.argv[4]), 'checks': json.loads(sys.argv[5]),
     'exit_code_after_sigterm': int(sys.argv[6]), 'doctor_exit_code': int(sys.argv[7]),
-    'doctor': sys.argv[8].splitlines()}))" "$cuda_base" "$cuda_size" "$cuda_build_s" \
-    "$cuda_ready" "$cuda_checks" "$cuda_exit" "$doctor_rc" "$doctor")
+    'doctor': sys.argv[8].splitlines(), 'constraints': json.loads(sys.argv[9])}))" \
+    "$cuda_base" "$cuda_size" "$cuda_build_s" "$cuda_ready" "$cuda_checks" "$cuda_exit" \
+    "$doctor_rc" "$doctor" "$cuda_held")
 fi
 [ "${KEEP_BUILD_CACHE:-0}" = 1 ] || "$DOCKER" builder prune -af >/dev/null
 
 python3 - "$OUT" "$cpu_base" "$torch_note" "$cpu_size" "$cpu_build_s" "$run_s" "$ready" "$checks" \
-  "$drain" "$served" "$cuda" "$(IFS=';'; echo "${failures[*]}")" "$("$DOCKER" version -f '{{.Server.Version}}')" "$("$DOCKER" info -f '{{.Driver}}')" <<'EOF'
+  "$drain" "$served" "$cuda" "$(IFS=';'; echo "${failures[*]}")" "$("$DOCKER" version -f '{{.Server.Version}}')" "$("$DOCKER" info -f '{{.Driver}}')" \
+  "$held" <<'EOF'
 import json, os, platform, sys, time
 (out, base, torch_from, size, build_s, run_s, ready, checks, drain, served, cuda, failures,
- server, driver) = sys.argv[1:]
+ server, driver, held) = sys.argv[1:]
 record = {
     "what": "docker/test.sh: the images built and run on this host",
     "passed": not failures,
@@ -202,7 +231,7 @@ record = {
             "model": "the tests' tiny open_clip config, random weights; --workers 2",
             "docker_run_s": float(run_s), **json.loads(ready), "checks": json.loads(checks),
             "sigterm_under_load": json.loads(drain),
-            "embed_requests_in_access_log": int(served)},
+            "embed_requests_in_access_log": int(served), "constraints": json.loads(held)},
     "cuda": json.loads(cuda),
 }
 with open(out, "w") as f:
