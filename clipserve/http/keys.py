@@ -123,6 +123,18 @@ def parse_keys(text: str, source: str, default: Rate | None) -> KeyRing:
     return KeyRing(grants)
 
 
+def keys_named(text: str) -> set[bytes]:
+    """The digests of every key a key file's text names, its other fields unchecked."""
+    named = set()
+    for raw in text.splitlines():
+        line = _COMMENT.sub("", raw).strip()
+        if line and not line.startswith("#"):
+            fields = line.split(":")
+            key = fields[0] if len(fields) == 1 else fields[1]
+            named.add(hashlib.sha256(key.encode()).digest())
+    return named
+
+
 def read_keys(path: str, default: Rate | None) -> KeyRing:
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -142,7 +154,9 @@ def _signature(path: str) -> tuple[int, int, int] | None:
 class KeyFile:
     """The key file's current keys (`ring`), reloaded by a thread of its own when its mtime,
     size or inode changes (looked at once a second) or when `reload_soon` is called (SIGHUP).
-    A file that no longer parses keeps the keys loaded before, and says so in one log line.
+    A file that no longer parses keeps those of the keys loaded before that it still names
+    (removals apply, additions wait for a file that parses), and says so in one log line; one
+    that cannot be read keeps them all.
     The event loop only reads `ring`: the file is never read on it."""
 
     def __init__(self, path: str, default: Rate | None) -> None:
@@ -181,9 +195,30 @@ class KeyFile:
             return
         self._seen = seen  # a bad version is reported once, not every second
         try:
-            ring = read_keys(self.path, self.default)
+            text = Path(self.path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:  # gone or unreadable: nothing to go by
+            log.error(
+                "--api-keys %s: cannot read it (%s); keeping the %d keys loaded before",
+                self.path,
+                e,
+                len(self.ring),
+            )
+            return
+        try:
+            ring = parse_keys(text, self.path, self.default)
         except StartupError as e:
-            log.error("%s; keeping the %d keys loaded before", e, len(self.ring))
+            # Removals still apply: a typo on one line must not keep a key revoked on another
+            # valid. Only keys the old file had and the new one still names stay.
+            named = keys_named(text)
+            kept = {d: g for d, g in self.ring.grants.items() if d in named}
+            dropped = len(self.ring) - len(kept)
+            log.error(
+                "%s; keeping the %d keys loaded before that it still names (%d dropped)",
+                e,
+                len(kept),
+                dropped,
+            )
+            self.ring = KeyRing(kept)
             return
         self.ring = ring
         log.info("--api-keys %s: %d keys loaded", self.path, len(ring))

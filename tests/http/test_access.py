@@ -333,6 +333,14 @@ def test_a_changed_file_is_reloaded_and_a_bad_one_keeps_the_keys(
     seen = "line 2: expected RATE or RATE:BURST (e.g. 50:100), got 'fast'; keeping the 1 keys"
     until(lambda: seen in caplog.text, what="the bad file seen")
     assert status(KEY_B) == 200
+    # A key removed while another line is broken is revoked all the same: removals apply,
+    # whatever else the file gets wrong (a typo must not keep a leaked key valid).
+    keys.write_text(f"new:{KEY_B}\nother:{KEY_A}\n")
+    until(lambda: status(KEY_A) == 200, what="both keys loaded")
+    keys.write_text(f"new:{KEY_B}\nbroken:key-12345678:fast\n")  # KEY_A removed, line 2 bad
+    until(lambda: status(KEY_A) == 401, what="the removed key revoked")
+    assert status(KEY_B) == 200
+    assert "keeping the 1 keys loaded before that it still names (1 dropped)" in caplog.text
 
 
 def test_sighup_reloads_a_file_whose_mtime_and_size_did_not_change(
