@@ -205,6 +205,7 @@ def one_at_a_time(serve: Serve) -> RunningServer:
     )
 
 
+@pytest.mark.slow  # ~18 s of held batches
 def test_the_grpc_deadline_is_the_requests_deadline(serve: Serve) -> None:
     """A client deadline the busy device cannot meet is refused at once (as HTTP's
     X-Request-Timeout-Ms is), and the request never reaches the device."""
@@ -270,6 +271,7 @@ def test_overload_is_unavailable_with_a_retry_hint(serve: Serve) -> None:
     assert served[0].outputs[0].shape == [1, 32]
 
 
+@pytest.mark.slow  # ~18 s of held batches
 def test_a_cancelled_call_never_reaches_the_device(serve: Serve) -> None:
     server = one_at_a_time(serve)
     name = model_name(server)

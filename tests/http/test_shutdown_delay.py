@@ -88,6 +88,7 @@ def test_sigterm_turns_readiness_off_and_serves_on_for_the_delay(
         httpx.get(url + "/healthz")  # the listener is closed
 
 
+@pytest.mark.slow  # ~8 s: a second server process
 def test_a_second_sigterm_drains_at_once(
     tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
 ) -> None:

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from clipserve.inference.hub import unreachable
 from clipserve.loadgen.procs import free_port
 
@@ -27,6 +29,7 @@ def test_unreachable_says_why_and_a_listening_host_is_reachable() -> None:
         assert unreachable(f"http://127.0.0.1:{listening.getsockname()[1]}") is None
 
 
+@pytest.mark.slow  # ~10 s: a process importing open_clip
 def test_an_unreachable_hub_fails_the_start_in_seconds(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HTTP", "http"))}
     env.update(HF_ENDPOINT=f"http://127.0.0.1:{free_port()}", HF_HOME=str(tmp_path / "hf"))
@@ -44,6 +47,7 @@ def test_an_unreachable_hub_fails_the_start_in_seconds(tmp_path: Path) -> None:
     assert any("cannot be reached" in m and "local cache only" in m for m in messages)
 
 
+@pytest.mark.slow  # ~10 s: a process importing open_clip
 def test_the_hubs_records_go_to_the_servers_handler_once() -> None:
     script = (
         "import logging, open_clip\n"
