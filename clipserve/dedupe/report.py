@@ -22,8 +22,9 @@ from pathlib import Path
 import orjson
 from PIL import Image, ImageOps
 
+from clipserve.config.schema import LimitsConfig
 from clipserve.dedupe.group import Group
-from clipserve.dedupe.scan import Skipped
+from clipserve.dedupe.scan import NotRead, Skipped, open_photo
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,9 @@ VERSION = 1
 THUMBNAIL_PX = 160
 THUMBNAIL_QUALITY = 70
 THUMBNAIL_WORKERS = 4
+# The most pixels one thumbnail decodes (after a JPEG's reduced-size draft), the server's
+# --max-image-pixels default: Pillow's own limit lets each of the workers take ~0.5 GB.
+THUMBNAIL_MAX_PIXELS = LimitsConfig().max_image_pixels
 # Thumbnails cost ~5 KB each: past this many groups the HTML lists the rest by name only.
 MAX_HTML_GROUPS = 1000
 SIMILARITY_NOTE = (
@@ -137,16 +141,33 @@ def as_csv(outcome: Outcome) -> str:
     return out.getvalue()
 
 
-def thumbnail(path: str) -> str | None:
-    """A small upright JPEG of the photo as a data: URI, or None if it cannot be read."""
+def thumbnail(path: str, max_pixels: int | None = None) -> str | None:
+    """A small upright JPEG of the photo as a data: URI, or None if it cannot be read or would
+    decode more than `max_pixels` (THUMBNAIL_MAX_PIXELS); the header says before any decode."""
+    max_pixels = THUMBNAIL_MAX_PIXELS if max_pixels is None else max_pixels
     try:
-        with Image.open(path) as img:
-            img.draft("RGB", (THUMBNAIL_PX, THUMBNAIL_PX))
+        with open_photo(path) as f, Image.open(f) as img:
+            img.draft("RGB", (THUMBNAIL_PX, THUMBNAIL_PX))  # a JPEG decodes at up to 1/8 size
+            width, height = img.size
+            if width * height > max_pixels:
+                raise ValueError(
+                    f"{width}x{height} image has {width * height} pixels to decode; "
+                    f"the limit is {max_pixels} (the server's --max-image-pixels default)"
+                )
             small = ImageOps.exif_transpose(img).convert("RGB")
         small.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
         out = io.BytesIO()
         small.save(out, "JPEG", quality=THUMBNAIL_QUALITY)
-    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as e:
+    except (
+        OSError,
+        ValueError,
+        SyntaxError,
+        EOFError,
+        MemoryError,
+        NotRead,
+        Image.DecompressionBombError,
+        Image.DecompressionBombWarning,  # raised where warnings are errors (the tests)
+    ) as e:
         log.warning("no thumbnail for %s: %s", path, e)
         return None
     return "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode()

@@ -3,9 +3,11 @@
 A file is a candidate by its suffix (hidden files and folders are passed over); it is a photo
 if Pillow opens its header as JPEG, PNG or WebP (HEIC/HEIF too where the pillow-heif plugin is
 importable). Anything that fails is skipped with its reason and one log line; nothing aborts
-the run. A file the manifest already knows (same path, size, mtime, ctime and inode) is not
-read again: a copy that puts the mtime back (`cp -p`, `rsync -t`, `touch -r`) still changes the
-ctime. A file name that is not UTF-8 is skipped (the reports are UTF-8 text), named escaped.
+the run. Only regular files are opened (a FIFO, socket or device named like a photo would block
+or never end) and at most MAX_FILE_BYTES of each is read. A file the manifest already knows
+(same path, size, mtime, ctime and inode) is not read again: a copy that puts the mtime back
+(`cp -p`, `rsync -t`, `touch -r`) still changes the ctime. A file name that is not UTF-8 is
+skipped (the reports are UTF-8 text), named escaped.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import hashlib
 import io
 import logging
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from PIL import Image, UnidentifiedImageError
 
@@ -29,6 +33,17 @@ FORMATS = ("JPEG", "PNG", "WEBP")
 HEIF_FORMAT = "HEIF"
 # Reading and hashing is I/O bound (hashlib and file reads release the GIL).
 READ_WORKERS = 4
+# The most bytes read from one file: each is held whole in memory to hash it, READ_WORKERS at a
+# time. No camera's photo comes near it (a 200 MP phone JPEG is tens of MB) and the image under
+# it would be past Pillow's decompression-bomb limit anyway.
+MAX_FILE_BYTES = 200 * 1024 * 1024
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,10 @@ class Scan:
     read: int = 0  # files read and hashed this run (the rest the manifest knew)
 
 
+class NotRead(Exception):
+    """A file that is not read: its message is the reason it is skipped."""
+
+
 def heif_available() -> bool:
     """Whether HEIC/HEIF files can be read: only with the pillow-heif plugin, registered here
     (not at import) so a plain run never pays for it."""
@@ -73,10 +92,14 @@ def heif_available() -> bool:
     return True
 
 
-def scan(roots: Iterable[str | Path], known: Mapping[str, Photo] | None = None) -> Scan:
+def scan(
+    roots: Iterable[str | Path],
+    known: Mapping[str, Photo] | None = None,
+    max_bytes: int = MAX_FILE_BYTES,
+) -> Scan:
     """Every photo under `roots` (folders or files), in path order. `known` maps paths to what
     an earlier run found; an entry with the same size, times, inode and link status is
-    trusted without reading."""
+    trusted without reading. A file of more than `max_bytes` is skipped."""
     known = known or {}
     heif = heif_available()
     suffixes = SUFFIXES | HEIF_SUFFIXES if heif else SUFFIXES
@@ -95,6 +118,9 @@ def scan(roots: Iterable[str | Path], known: Mapping[str, Photo] | None = None) 
         except OSError as e:
             _skip(result, path, f"cannot stat: {e.strerror or e}")
             continue
+        if not stat.S_ISREG(st.st_mode):  # never opened: that could block or have effects
+            _skip(result, path, _not_regular(st))
+            continue
         candidates.append((path, st))
 
     to_read: list[tuple[str, os.stat_result]] = []
@@ -107,7 +133,7 @@ def scan(roots: Iterable[str | Path], known: Mapping[str, Photo] | None = None) 
             to_read.append((path, st))
     with ThreadPoolExecutor(READ_WORKERS) as pool:
         for (path, _), outcome in zip(
-            to_read, pool.map(lambda c: _read(c[0], c[1], formats), to_read), strict=True
+            to_read, pool.map(lambda c: _read(c[0], c[1], formats, max_bytes), to_read), strict=True
         ):
             if isinstance(outcome, Photo):
                 found[path] = outcome
@@ -124,10 +150,10 @@ def _walk(roots: Iterable[str | Path], result: Scan) -> Iterable[str]:
     seen: set[str] = set()
     for root in roots:
         top = os.path.abspath(root)
-        if os.path.isfile(top):
-            names = [top]
-        elif os.path.isdir(top):
+        if os.path.isdir(top):
             names = list(_files_under(top, result))
+        elif os.path.exists(top):  # a file, or a FIFO or device that scan() then skips
+            names = [top]
         else:
             _skip(result, top, "no such file or folder")
             continue
@@ -151,13 +177,54 @@ def _files_under(top: str, result: Scan) -> Iterable[str]:
             yield os.path.join(folder, name)
 
 
-def _read(path: str, st: os.stat_result, formats: tuple[str, ...]) -> Photo | str:
+def open_photo(path: str) -> BinaryIO:
+    """The file opened for reading, if it is a regular file once opened: non-blocking, so a
+    FIFO put in its place after the scanner's stat cannot hang the open (NotRead if not)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRead(_not_regular(st))
+        os.set_blocking(fd, True)  # for the open only: some network file systems honour it
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_bounded(path: str, max_bytes: int) -> bytes:
+    """The file's bytes (NotRead past `max_bytes`)."""
+    with open_photo(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = b"" if size > max_bytes else _read_at_most(f, size, max_bytes)
+    if size > max_bytes or len(data) > max_bytes:
+        raise NotRead(f"too large to be a photo (over {_bytes(max_bytes)})")
+    return data
+
+
+def _read_at_most(f: BinaryIO, size: int, max_bytes: int) -> bytes:
+    """At most `max_bytes` + 1 bytes of `f`: first `size` (what fstat says, so a small file
+    allocates little) and one more; a file that grew, or a /proc file that says 0, is read on
+    only to the bound."""
+    data = f.read(size + 1)
+    if len(data) > size:
+        data += f.read(max_bytes + 1 - len(data))
+    return data
+
+
+def _read(path: str, st: os.stat_result, formats: tuple[str, ...], max_bytes: int) -> Photo | str:
     """The photo, or why it is skipped."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        return _decode(path, st, formats, _read_bounded(path, max_bytes))
+    except NotRead as e:
+        return str(e)
     except OSError as e:
         return f"cannot read: {e.strerror or e}"
+    except MemoryError:  # one file's fault, not the run's: its memory is freed by now
+        return "cannot read: out of memory"
+
+
+def _decode(path: str, st: os.stat_result, formats: tuple[str, ...], data: bytes) -> Photo | str:
     try:
         with Image.open(io.BytesIO(data), formats=formats) as img:
             width, height = img.size
@@ -180,6 +247,15 @@ def _read(path: str, st: os.stat_result, formats: tuple[str, ...]) -> Photo | st
         ino=st.st_ino,
         link=os.path.islink(path),
     )
+
+
+def _not_regular(st: os.stat_result) -> str:
+    kind = next((name for test, name in _KINDS if test(st.st_mode)), "")
+    return f"not a regular file ({kind})" if kind else "not a regular file"
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**20:g} MiB" if n >= 2**20 else f"{n} bytes"
 
 
 def _unchanged(old: Photo, path: str, st: os.stat_result) -> bool:

@@ -6,16 +6,23 @@ re-encode >= 0.9999 to its original, so the tests group at THRESHOLD."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from clipserve.client import Client, Embedded, ServerGone
 
 THRESHOLD = 0.999
+T = TypeVar("T")
 
 
 def picture(seed: int, size: tuple[int, int] = (96, 64)) -> Image.Image:
@@ -34,6 +41,36 @@ def write_photo(path: Path, seed: int, quality: int = 90) -> Path:
     else:
         img.save(path)
     return path
+
+
+def returns_within(call: Callable[[], T], fifos: Sequence[Path], timeout: float = 60) -> T:
+    """call()'s answer, run in a thread: one still blocked after `timeout` (a regression that
+    opens a FIFO for reading and waits for a writer) fails the test instead of hanging the
+    suite, after the FIFOs are given a writer so that the thread ends too."""
+    answer: list[T] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            answer.append(call())
+        except BaseException as e:
+            error.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        deadline = time.monotonic() + 10
+        while thread.is_alive() and time.monotonic() < deadline:
+            for fifo in fifos:
+                # ENXIO unless a reader waits; opening and closing lets it read EOF.
+                with contextlib.suppress(OSError):
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            thread.join(0.1)
+        pytest.fail(f"still blocked after {timeout:g} s: a FIFO was opened for reading")
+    if error:
+        raise error[0]
+    return answer[0]
 
 
 @dataclass

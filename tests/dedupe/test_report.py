@@ -8,8 +8,12 @@ import base64
 import csv
 import io
 import json
+import logging
+import os
 import re
+import struct
 import subprocess
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from shutil import which
@@ -20,7 +24,7 @@ from PIL import Image
 from clipserve.dedupe import report
 from clipserve.dedupe.cli import run
 from clipserve.dedupe.report import Outcome, as_html
-from tests.dedupe.library import THRESHOLD, Recorder, picture, write_photo
+from tests.dedupe.library import THRESHOLD, Recorder, picture, returns_within, write_photo
 
 HOSTILE = "<img src=x onerror=alert(1)>.jpg"
 
@@ -152,6 +156,55 @@ def test_thumbnails_are_upright_and_small(tmp_path: Path) -> None:
     with Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1]))) as thumb:
         assert thumb.size == (80, 160)
     assert report.thumbnail(str(tmp_path / "missing.jpg")) is None
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header declares `width` x `height` gray pixels, with one row of data."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = zlib.crc32(kind + body)
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(bytes(width + 1)))
+        + chunk(b"IEND", b"")
+    )
+
+
+def test_a_thumbnail_is_not_decoded_past_the_pixel_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The bound is the server's --max-image-pixels default, checked on the header before any
+    pixel is decoded (Pillow's own limit would let each of 4 workers decode ~0.5 GB)."""
+    assert report.THUMBNAIL_MAX_PIXELS == 40_000_000
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(png_header(8000, 6000))  # 48 Mpx declared: over the bound, under Pillow's
+    with caplog.at_level(logging.WARNING, "clipserve.dedupe.report"):
+        assert report.thumbnail(str(bomb)) is None
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message == (
+        f"no thumbnail for {bomb}: 8000x6000 image has 48000000 pixels to decode; the limit "
+        "is 40000000 (the server's --max-image-pixels default)"
+    )
+    # A decodable photo over a smaller bound is refused the same way; a JPEG is bounded by the
+    # pixels its reduced-size draft decodes (1600x1200 decodes 400x300 for a 160 px thumbnail).
+    png = tmp_path / "a.png"
+    picture(1, size=(400, 300)).save(png)
+    assert report.thumbnail(str(png), max_pixels=400 * 300 - 1) is None
+    assert report.thumbnail(str(png), max_pixels=400 * 300) is not None
+    jpeg = tmp_path / "a.jpg"
+    picture(1, size=(1600, 1200)).save(jpeg, "JPEG")
+    assert report.thumbnail(str(jpeg), max_pixels=400 * 300) is not None
+    assert report.thumbnail(str(jpeg), max_pixels=400 * 300 - 1) is None
+
+
+def test_a_photo_swapped_for_a_fifo_gets_no_thumbnail_and_no_hang(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.jpg"
+    os.mkfifo(fifo)
+    assert returns_within(lambda: report.thumbnail(str(fifo)), [fifo]) is None
 
 
 def test_past_the_html_limit_groups_are_listed_in_json_only(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
@@ -18,8 +19,16 @@ from PIL import Image
 from clipserve.dedupe import scan as scan_module
 from clipserve.dedupe.cache import load_manifest, save_manifest
 from clipserve.dedupe.cli import run
-from clipserve.dedupe.scan import scan
-from tests.dedupe.library import THRESHOLD, Recorder, picture, write_photo
+from clipserve.dedupe.scan import Skipped, scan
+from tests.dedupe.library import THRESHOLD, Recorder, picture, returns_within, write_photo
+
+FIFO = "not a regular file (a FIFO)"
+DEVICE = "not a regular file (a character device)"
+needs_dev_zero = pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="no /dev/zero here")
+
+
+def reasons(skipped: list[Skipped]) -> list[tuple[str, str]]:
+    return [(Path(s.path).name, s.reason) for s in skipped]
 
 
 def test_photos_are_found_and_unreadable_files_skipped_and_counted(
@@ -169,3 +178,103 @@ def test_a_file_name_that_is_not_utf8_is_skipped_and_named_escaped(
     assert data["skipped"][0]["path"] == f"{folder}/caf\\xe9.jpg"
     (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
     (tmp_path / "out" / "groups.csv").read_text(encoding="utf-8")
+
+
+@needs_dev_zero
+def test_fifos_and_devices_named_like_photos_are_skipped_unopened(tmp_path: Path) -> None:
+    """`mkfifo fifo.jpg` would block the open forever and /dev/zero never ends: the scanner's
+    stat says what they are and they are skipped, not opened, named or walked into."""
+    good = write_photo(tmp_path / "a.jpg", 1)
+    fifo = tmp_path / "fifo.jpg"
+    os.mkfifo(fifo)
+    (tmp_path / "zero.jpg").symlink_to("/dev/zero")
+    # A 1 MiB bound: a regression that opens /dev/zero still stops, with the wrong reason.
+    found = returns_within(lambda: scan([tmp_path], max_bytes=2**20), [fifo])
+    assert [p.path for p in found.photos] == [str(good)]
+    assert reasons(found.skipped) == [("fifo.jpg", FIFO), ("zero.jpg", DEVICE)]
+    assert found.read == 1  # neither was opened
+    named = returns_within(lambda: scan([fifo]), [fifo])  # a root, not "no such file"
+    assert reasons(named.skipped) == [("fifo.jpg", FIFO)]
+
+
+@needs_dev_zero
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_a_fifo_or_device_put_in_place_after_the_stat_is_not_read(
+    tmp_path: Path, kind: str
+) -> None:
+    """Between the scanner's stat and its open a photo can become a FIFO or a link to a device:
+    the open does not block and what was opened is checked again."""
+    stat_then = os.stat(write_photo(tmp_path / "a.jpg", 1))
+    swapped = tmp_path / "swapped.jpg"
+    if kind == "fifo":
+        os.mkfifo(swapped)
+    else:
+        swapped.symlink_to("/dev/zero")
+    reason = returns_within(
+        lambda: scan_module._read(str(swapped), stat_then, scan_module.FORMATS, 2**20), [swapped]
+    )
+    assert reason == (FIFO if kind == "fifo" else DEVICE)
+
+
+def test_a_file_over_the_read_bound_is_skipped_and_the_rest_read(tmp_path: Path) -> None:
+    good = write_photo(tmp_path / "a.jpg", 1)
+    bound = good.stat().st_size  # a file of exactly the bound is read
+    (tmp_path / "big.jpg").write_bytes(good.read_bytes() + b"\0")
+    found = scan([tmp_path], max_bytes=bound)
+    assert [p.path for p in found.photos] == [str(good)]
+    assert reasons(found.skipped) == [("big.jpg", f"too large to be a photo (over {bound} bytes)")]
+    assert scan_module.MAX_FILE_BYTES == 200 * 2**20  # the default: no photo is near it
+
+
+def test_a_file_whose_size_understates_it_is_read_only_to_the_bound(tmp_path: Path) -> None:
+    """A /proc file says 0 bytes and a file can grow while read: at most bound + 1 bytes are
+    read, whatever fstat said."""
+    f = io.BytesIO(bytes(1000))
+    assert len(scan_module._read_at_most(f, 0, 100)) == 101 and f.tell() == 101
+    f = io.BytesIO(bytes(50))
+    assert scan_module._read_at_most(f, 50, 100) == bytes(50)
+    status = Path("/proc/self/status")
+    if not status.exists():
+        pytest.skip("no /proc here")
+    (tmp_path / "status.jpg").symlink_to(status)
+    found = scan([tmp_path], max_bytes=100)
+    assert reasons(found.skipped) == [("status.jpg", "too large to be a photo (over 100 bytes)")]
+
+
+def test_running_out_of_memory_on_one_file_skips_only_that_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    good = write_photo(tmp_path / "a.jpg", 1)
+    huge = write_photo(tmp_path / "huge.jpg", 2)
+    real = scan_module._read_bounded
+
+    def read(path: str, max_bytes: int) -> bytes:
+        if path == str(huge):
+            raise MemoryError
+        return real(path, max_bytes)
+
+    monkeypatch.setattr(scan_module, "_read_bounded", read)
+    found = scan([tmp_path])
+    assert [p.path for p in found.photos] == [str(good)]
+    assert reasons(found.skipped) == [("huge.jpg", "cannot read: out of memory")]
+
+
+@needs_dev_zero
+def test_a_run_with_a_fifo_and_dev_zero_reports_them_and_groups_the_rest(
+    tmp_path: Path, recorder: Callable[..., Recorder]
+) -> None:
+    folder = tmp_path / "photos"
+    a = write_photo(folder / "a.jpg", 1)
+    (folder / "copy.jpg").write_bytes(a.read_bytes())
+    os.mkfifo(folder / "fifo.jpg")
+    (folder / "zero.jpg").symlink_to("/dev/zero")
+    args = argparse.Namespace(
+        paths=[folder], threshold=THRESHOLD, out=tmp_path / "out", cache=None, index="exact"
+    )
+    outcome = returns_within(lambda: run(args, recorder()), [folder / "fifo.jpg"])
+    assert [len(g.members) for g in outcome.groups] == [2]
+    assert reasons(outcome.skipped) == [("fifo.jpg", FIFO), ("zero.jpg", DEVICE)]
+    data = json.loads((tmp_path / "out" / "groups.json").read_bytes())
+    assert data["counts"]["skipped"] == 2
+    page = (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
+    assert f"{folder / 'fifo.jpg'}: {FIFO}" in page and "2 files skipped" in page
