@@ -82,7 +82,11 @@ def call_span() -> RequestSpan | None:
 
 
 def _metadata(sent: grpc.aio.Metadata | None) -> dict[str, str | bytes]:
-    return {key: value for key, value in sent or ()}
+    """A call's metadata by key; of repeated keys the first, as HTTP's headers are read."""
+    found: dict[str, str | bytes] = {}
+    for key, value in sent or ():
+        found.setdefault(key, value)
+    return found
 
 
 def _request_id(metadata: dict[str, str | bytes]) -> str:

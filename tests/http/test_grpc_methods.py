@@ -177,3 +177,8 @@ def test_keys_are_checked_before_a_malformed_message_is_parsed(
         mine = until(lambda: _fields(lines, "keyed-malformed"), 5)
     assert [(f["status"], f["key"]) for f in mine] == [(400, "alice")]
     assert _requests_total(server, route, "401") == 1
+    # A repeated key is read as HTTP reads a repeated header: the first one counts.
+    first_valid = (("x-api-key", "sk-alice-0123456789"), ("x-api-key", "sk-wrong-000000000"))
+    assert _call(server, route, b"\xff\xff", first_valid).code() == grpc.StatusCode.INVALID_ARGUMENT
+    first_wrong = tuple(reversed(first_valid))
+    assert _call(server, route, b"\xff\xff", first_wrong).code() == grpc.StatusCode.UNAUTHENTICATED
