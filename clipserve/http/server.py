@@ -24,6 +24,7 @@ from clipserve.http.guarded import GuardedHttpProtocol
 from clipserve.http.listeners import check_tls
 
 log = logging.getLogger(__name__)
+REPEAT_S = 1.0  # a SIGTERM this soon after the first is the same stop, not a second one
 
 
 def protocol_class(config: HttpConfig) -> type[BufferedReads]:
@@ -76,7 +77,7 @@ class DrainingServer(uvicorn.Server):
     With `delay_s` (--shutdown-delay-s), SIGTERM first turns readiness to 503 and the server
     goes on serving that long, each answer closing its connection: a load balancer that probes
     stops sending, and clients reconnect elsewhere, before the listener closes. A second
-    SIGTERM, or SIGINT (Ctrl-C), drains at once."""
+    SIGTERM (a second or more after the first), or SIGINT (Ctrl-C), drains at once."""
 
     gate: AcceptGate | None = None
 
@@ -88,20 +89,31 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler: it sets state only; on_tick (every 0.1 s) acts on it.
-        first = self.exit_at is None and not self.should_exit
-        if sig == signal.SIGTERM and self.delay_s > 0 and first:
-            self.exit_at = time.monotonic() + self.delay_s
-            pipeline = getattr(getattr(self.config.app, "state", None), "pipeline", None)
-            if pipeline is not None:
-                pipeline.stopping = True
-            protocol = getattr(getattr(self.config, "http_protocol_class", None), "inner", None)
-            if protocol is not None and issubclass(protocol, GuardedHttpProtocol):
-                protocol.refusals.stopping = True
-            return
+        now = time.monotonic()
+        if sig == signal.SIGTERM and self.delay_s > 0:
+            if self.exit_at is None and not self.should_exit:
+                self.exit_at = now + self.delay_s
+                self._mark_stopping()
+                return
+            # A SIGTERM to the whole process group (systemd, `kill -- -PGID`) reaches a front
+            # end twice: from the group and from the supervisor. Only a later one is a second.
+            if self.exit_at is not None and now < self.exit_at - self.delay_s + REPEAT_S:
+                return
         super().handle_exit(sig, frame)
+
+    def _mark_stopping(self) -> None:
+        """Readiness 503, answers that close their connections (again each tick: a SIGTERM
+        taken during the lifespan's startup comes before the app's pipeline exists)."""
+        pipeline = getattr(getattr(self.config.app, "state", None), "pipeline", None)
+        if pipeline is not None:
+            pipeline.stopping = True
+        protocol = getattr(getattr(self.config, "http_protocol_class", None), "inner", None)
+        if protocol is not None and issubclass(protocol, GuardedHttpProtocol):
+            protocol.refusals.stopping = True
 
     async def on_tick(self, counter: int) -> bool:
         if self.exit_at is not None and not self.should_exit:
+            self._mark_stopping()
             if not self.announced:
                 self.announced = True
                 log.info("SIGTERM: readiness 503, serving %.1f s more, then draining", self.delay_s)

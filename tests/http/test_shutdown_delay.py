@@ -4,6 +4,7 @@ skips the rest of the delay. One process and, in the slow run, `--workers 2`."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -13,7 +14,7 @@ import httpx
 import pytest
 import tritonclient.grpc as tg
 
-from clipserve.loadgen.procs import free_port
+from clipserve.loadgen.procs import free_port, server_command, stop, wait_ready
 from tests.helpers import PNG, cli_server, png_bytes, random_pixels
 
 DELAY_S = 4.0
@@ -99,7 +100,37 @@ def test_a_second_sigterm_drains_at_once(
         while httpx.get(url + "/readyz").status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert httpx.get(url + "/readyz").status_code == 503
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # as a process group's SIGTERM arrives twice: one stop
+        time.sleep(1.5)
+        assert proc.poll() is None and httpx.get(url + "/readyz").status_code == 503
+        proc.send_signal(signal.SIGTERM)  # a second or more later: drain now
         code, elapsed = _wait_exit(proc, 30)
     assert code == 0
     assert elapsed < 10, elapsed
+
+
+@pytest.mark.slow  # ~10 s: two front ends and an engine
+def test_a_sigterm_to_the_process_group_keeps_the_delay(
+    tiny_config: Path, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """systemd and `kill -- -PGID` signal every process: each front end gets SIGTERM from the
+    group and again from the supervisor, and still serves the delay out."""
+    args = _args(tiny_config, tiny_checkpoint, "--shutdown-delay-s", str(DELAY_S))
+    port = free_port()
+    cmd = server_command([*args, "--workers", "2", "--grpc-port", "0"], port)
+    url = f"http://127.0.0.1:{port}"
+    with (tmp_path / "server.log").open("w") as log:
+        # A session of its own: the group signalled is the server's, not the test runner's.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(proc, url, 90, "server")
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        time.sleep(1.5)
+        assert httpx.get(url + "/healthz").status_code == 200  # still serving
+        assert httpx.get(url + "/readyz").status_code == 503
+        code, _ = _wait_exit(proc, DELAY_S + 30)
+        assert code == 0
+        assert time.monotonic() - t0 >= DELAY_S - 0.5
+    finally:
+        stop(proc)
