@@ -156,7 +156,7 @@ class KeyFile:
     size or inode changes (looked at once a second) or when `reload_soon` is called (SIGHUP).
     A file that no longer parses keeps those of the keys loaded before that it still names
     (removals apply, additions wait for a file that parses), and says so in one log line; one
-    that cannot be read keeps them all.
+    that cannot be read, is empty or ends mid-line keeps them all.
     The event loop only reads `ring`: the file is never read on it."""
 
     def __init__(self, path: str, default: Rate | None) -> None:
@@ -208,8 +208,13 @@ class KeyFile:
             ring = parse_keys(text, self.path, self.default)
         except StartupError as e:
             # Removals still apply: a typo on one line must not keep a key revoked on another
-            # valid. Only keys the old file had and the new one still names stay.
+            # valid. Only keys the old file had and the new one still names stay; unless the
+            # text looks caught mid-write (empty, or its last line unfinished): then all stay,
+            # and the finished file, a new version, is read within a second.
             named = keys_named(text)
+            if not named or not text.endswith("\n"):
+                log.error("%s; keeping the %d keys loaded before", e, len(self.ring))
+                return
             kept = {d: g for d, g in self.ring.grants.items() if d in named}
             dropped = len(self.ring) - len(kept)
             log.error(

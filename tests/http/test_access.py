@@ -341,6 +341,11 @@ def test_a_changed_file_is_reloaded_and_a_bad_one_keeps_the_keys(
     until(lambda: status(KEY_A) == 401, what="the removed key revoked")
     assert status(KEY_B) == 200
     assert "keeping the 1 keys loaded before that it still names (1 dropped)" in caplog.text
+    # Caught mid-write (empty, or a last line unfinished): nothing is revoked.
+    for partial in ("", f"new:{KEY_B}\nother:sk-half-writ"):
+        keys.write_text(partial)
+        time.sleep(2.5)  # two reload checks
+        assert status(KEY_B) == 200, partial
 
 
 def test_sighup_reloads_a_file_whose_mtime_and_size_did_not_change(
