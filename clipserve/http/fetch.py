@@ -191,6 +191,8 @@ class ImageFetcher:
         try:
             target = URL(url)
             host = target.host
+            if host:  # an empty or over-long label: the resolver's UnicodeError, else (a 500)
+                host.encode("idna")
         except (ValueError, UnicodeError):
             raise ImageUrlForbidden(f"{_short(url)} is not a valid URL") from None
         if target.scheme not in ("http", "https") or not host:

@@ -172,6 +172,10 @@ def test_hosts_written_in_other_digits_are_checked_as_the_address_they_reach(
         assert r.json()["error"]["code"] == "image_url_refused", r.text
         assert "non-public address" in r.json()["error"]["message"], r.text
     assert len(source.hits) == before  # refused before any connection
+    for bad in ("a" * 64 + ".example.com", "a..example.com"):  # labels the resolver refuses
+        r = httpx.post(server.url + "/embed", json={"images": [f"http://{bad}/x.png"]})
+        assert r.status_code == 400, r.text  # was a 500: getaddrinfo's UnicodeError
+        assert r.json()["error"]["code"] == "image_url_refused", r.text
 
 
 def test_an_unlisted_name_is_refused_without_asking_the_dns(serve: Serve) -> None:
