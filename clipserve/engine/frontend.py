@@ -15,6 +15,7 @@ from clipserve.http.app import create_app
 from clipserve.http.connections import ensure_fd_limit
 from clipserve.http.heap import keep_body_pages
 from clipserve.http.listeners import beside
+from clipserve.http.observer import request_tracing
 from clipserve.http.server import build_uvicorn_config, draining_server
 
 log = logging.getLogger("clipserve.supervisor")
@@ -64,5 +65,8 @@ def frontend_main(
         listener = own
     server = draining_server(build_uvicorn_config(app, config.http), config.http.shutdown_delay_s)
     server.run(sockets=[listener])
+    tracing = request_tracing(config.http.otel_endpoint)
+    if tracing is not None:  # os._exit skips the SDK's exit-time flush: the last spans go now
+        tracing.close()
     logging.shutdown()
     os._exit(0)  # skips interpreter teardown: extension modules' exit-time noise

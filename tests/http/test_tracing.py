@@ -8,6 +8,7 @@ import contextlib
 import functools
 import http.server
 import importlib.util
+import signal
 import subprocess
 import sys
 import threading
@@ -327,6 +328,32 @@ def test_each_front_end_exports_its_own_spans(
         # The engine's queue and compute times arrive as the front end's stages.
         names = until(functools.partial(_names_if_all, collector, span), 30, "its stages")
         assert names >= STAGES
+
+
+@pytest.mark.slow  # a multi-process variant: CI runs it (make test-slow)
+@needs_otel
+def test_a_front_end_exports_its_last_spans_as_it_stops(
+    tiny_config: Path,
+    tiny_checkpoint: Path,
+    tmp_path: Path,
+    collector: Collector,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A front end leaves by os._exit, which skips the SDK's exit-time flush: spans still in
+    its batch (sent every 5 s, the SDK's default, here) would be lost; they are flushed on the
+    way out."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "5000")
+    args = [
+        *("--model", str(tiny_config), "--checkpoint", str(tiny_checkpoint)),
+        *("--backend", "fake", "--workers", "2", "--otel-endpoint", collector.url),
+    ]
+    with cli_server(args, tmp_path / "server.log") as (proc, url):
+        headers = {**PNG, "X-Request-Id": "last-one"}
+        r = httpx.post(url + "/embed", content=marked_png(20), headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)  # well inside the batch's 5 s
+        assert proc.wait(30) == 0
+    until(lambda: collector.request("last-one"), 10, "the last request's span")
 
 
 def _names_if_all(collector: Collector, span: Span) -> set[str]:
