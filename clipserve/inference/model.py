@@ -192,8 +192,10 @@ def load_model(config: ModelConfig) -> LoadedModel:
             raise StartupError(
                 f"--model {config.model}: could not build {name} ({reason})"
             ) from None
-        if offline is not None:
+        if offline is not None and "download" in reason.lower():  # not a bad tag's error
             reason = f"the Hub cannot be reached ({offline}) and the local cache has no copy"
+        elif offline is not None:
+            reason = f"{reason}; the Hub cannot be reached ({offline})"
         raise StartupError(
             f"--pretrained {config.pretrained}: could not load weights for {name} ({reason}); "
             "pass --checkpoint PATH with local weights, or --pretrained none for random weights"
