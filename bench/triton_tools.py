@@ -77,7 +77,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         flags = ["--backend", "fake", "--model", str(tiny_model(Path(tmp))), "--pretrained"]
         flags += ["none", "--gpus", "cpu", "--cache-mb", "0", "--grpc-port", str(grpc_port)]
-        flags += ["--log-level", "warning"]
+        flags += ["--log-level", "warning", "--shm-max-regions", "8"]  # perf_analyzer-grpc-shm
         with clipserve_process(flags) as (_, url):
             grpc_url, http_url = f"127.0.0.1:{grpc_port}", url.removeprefix("http://")
             for r in range(args.rounds):
