@@ -19,6 +19,7 @@ import math
 import os
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,16 +91,11 @@ def parse_keys(text: str, source: str, default: Rate | None) -> KeyRing:
     """A key file's text; raises StartupError naming `source` and the line."""
     grants: dict[bytes, Grant] = {}
     rates: dict[str, Rate | None] = {}  # by name: the lines of one name must agree
-    for number, raw in enumerate(text.splitlines(), 1):
-        # A comment starts a line or follows a blank: a key has no blank, so `k#1` is a key.
-        line = _COMMENT.sub("", raw).strip()
-        if not line or line.startswith("#"):
-            continue
+    for number, fields in _key_lines(text):
         where = f"--api-keys {source}, line {number}"
-        fields = line.split(":")
         if len(fields) > 4:
             raise StartupError(f"{where}: expected KEY, NAME:KEY or NAME:KEY:RATE[:BURST]")
-        name, key = (None, fields[0]) if len(fields) == 1 else (fields[0], fields[1])
+        name, key = _name_and_key(fields)
         if name is not None and _NAME.fullmatch(name) is None:
             raise StartupError(f"{where}: a name is 1 to 64 of A-Z a-z 0-9 _ . -")
         if _KEY.fullmatch(key) is None or len(key) < MIN_KEY_CHARS:
@@ -123,16 +119,23 @@ def parse_keys(text: str, source: str, default: Rate | None) -> KeyRing:
     return KeyRing(grants)
 
 
-def keys_named(text: str) -> set[bytes]:
-    """The digests of every key a key file's text names, its other fields unchecked."""
-    named = set()
-    for raw in text.splitlines():
+def _key_lines(text: str) -> Iterator[tuple[int, list[str]]]:
+    """Each line that holds a key, numbered from 1, split into its fields."""
+    for number, raw in enumerate(text.splitlines(), 1):
+        # A comment starts a line or follows a blank: a key has no blank, so `k#1` is a key.
         line = _COMMENT.sub("", raw).strip()
         if line and not line.startswith("#"):
-            fields = line.split(":")
-            key = fields[0] if len(fields) == 1 else fields[1]
-            named.add(hashlib.sha256(key.encode()).digest())
-    return named
+            yield number, line.split(":")
+
+
+def keys_named(text: str) -> set[bytes]:
+    """The digests of every key a key file's text names, its other fields unchecked."""
+    return {hashlib.sha256(_name_and_key(f)[1].encode()).digest() for _, f in _key_lines(text)}
+
+
+def _name_and_key(fields: list[str]) -> tuple[str | None, str]:
+    """`KEY`, or `NAME:KEY[:...]`."""
+    return (None, fields[0]) if len(fields) == 1 else (fields[0], fields[1])
 
 
 def read_keys(path: str, default: Rate | None) -> KeyRing:
