@@ -219,6 +219,12 @@ class HttpConfig:
     ssl_certfile: str | None = _opt(None, "PEM certificate: serve HTTPS (with --ssl-keyfile)")
     ssl_keyfile: str | None = _opt(None, "PEM private key for --ssl-certfile")
 
+    @property
+    def stop_limit_s(self) -> float:
+        """How long a front end may take to stop after SIGTERM: the delay, the drain, and a
+        margin for its exit; the supervisor and the engine wait this long for the front ends."""
+        return self.shutdown_delay_s + self.drain_timeout_s + 10.0
+
 
 @dataclass(frozen=True)
 class CacheConfig:

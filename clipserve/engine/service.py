@@ -391,9 +391,8 @@ def engine_main(
 
             def on_sigterm() -> None:
                 if not draining:
-                    http = config.http
-                    drain_s = http.shutdown_delay_s + http.drain_timeout_s + 10.0
-                    draining.add(asyncio.create_task(service.drain(stop, drain_s)))
+                    stopping = service.drain(stop, config.http.stop_limit_s)
+                    draining.add(asyncio.create_task(stopping))
 
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
             await service.serve(Path(socket_path), lambda: _tell(ready, ("ready", card)), stop)

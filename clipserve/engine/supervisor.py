@@ -417,8 +417,7 @@ class Supervisor:
         if self.grpc_hold is not None:
             self.grpc_hold.close()
         fronts = [c.process for c in self.front if c is not None]
-        http = self.config.http
-        _terminate(fronts, http.shutdown_delay_s + http.drain_timeout_s + 10.0)
+        _terminate(fronts, self.config.http.stop_limit_s)
         if self.engine is not None:
             _terminate([self.engine.process], 30.0)
         remove_segments(self.pid)

@@ -84,40 +84,39 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, delay_s: float = 0.0) -> None:
         super().__init__(config)
         self.delay_s = delay_s
-        self.exit_at: float | None = None  # monotonic time the delay ends
+        self.sigterm_at: float | None = None  # monotonic time of the SIGTERM the delay is for
         self.announced = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler: it sets state only; on_tick (every 0.1 s) acts on it.
         now = time.monotonic()
         if sig == signal.SIGTERM and self.delay_s > 0:
-            if self.exit_at is None and not self.should_exit:
-                self.exit_at = now + self.delay_s
+            if self.sigterm_at is None and not self.should_exit:
+                self.sigterm_at = now
                 self._mark_stopping()
                 return
             # A SIGTERM to the whole process group (systemd, `kill -- -PGID`) reaches a front
             # end twice: from the group and from the supervisor. Only a later one is a second.
-            if self.exit_at is not None and now < self.exit_at - self.delay_s + REPEAT_S:
+            if self.sigterm_at is not None and now < self.sigterm_at + REPEAT_S:
                 return
         super().handle_exit(sig, frame)
 
     def _mark_stopping(self) -> None:
         """Readiness 503, answers that close their connections (again each tick: a SIGTERM
-        taken during the lifespan's startup comes before the app's pipeline exists)."""
+        taken during the lifespan's startup comes before the app's pipeline and the gate)."""
         pipeline = getattr(getattr(self.config.app, "state", None), "pipeline", None)
         if pipeline is not None:
             pipeline.stopping = True
-        protocol = getattr(getattr(self.config, "http_protocol_class", None), "inner", None)
-        if protocol is not None and issubclass(protocol, GuardedHttpProtocol):
-            protocol.refusals.stopping = True
+        if self.gate is not None:
+            self.gate.refusals.stopping = True
 
     async def on_tick(self, counter: int) -> bool:
-        if self.exit_at is not None and not self.should_exit:
+        if self.sigterm_at is not None and not self.should_exit:
             self._mark_stopping()
             if not self.announced:
                 self.announced = True
                 log.info("SIGTERM: readiness 503, serving %.1f s more, then draining", self.delay_s)
-            if time.monotonic() >= self.exit_at:
+            if time.monotonic() >= self.sigterm_at + self.delay_s:
                 self.should_exit = True
         return await super().on_tick(counter)
 
